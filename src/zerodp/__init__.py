@@ -1,0 +1,12 @@
+"""zerodp: ZeRO (Zero Redundancy Optimizer) data parallelism for PyTorch, switched on by config alone.
+
+    engine = zerodp.initialize(model, optimizer, config)
+    loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
+"""
+
+from . import optim
+from .config import ConfigError, ZeroConfig, load_config
+from .engine import ZeroEngine, initialize
+
+__all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ConfigError", "load_config", "optim"]
+__version__ = "0.1.0"

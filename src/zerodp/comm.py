@@ -1,0 +1,221 @@
+"""The collectives zerodp uses, as functions returning handles. Backend differences live here only.
+
+Every function takes the process group explicitly (`None` means the default group) and works with
+no process group at all (one process): then collectives are identities. Each call is appended to
+the active `record()` logs, so tests (and users) can count what a step moves.
+
+Backend choices:
+- gloo's reduce-scatter is a slow composite (about half the speed of its all-reduce per byte, and
+  blocking even when asked to be async), so `reduce_scatter` on gloo all-reduces the whole bucket in
+  place and keeps this rank's slice: the cheapest correct alternative there.
+- gloo refuses uneven all-gathers; every caller passes buffers padded by `partition.FlatLayout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(timeout_s: float = 1800.0) -> None:
+    """Initialize torch.distributed from torchrun's environment, if it is set and not done yet.
+
+    Picks NCCL when CUDA is available, gloo otherwise. Without torchrun's variables (a plain
+    `python train.py`) nothing is initialized and zerodp runs as world size 1.
+    """
+    if is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    from datetime import timedelta
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def get_rank(group: ProcessGroup = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: ProcessGroup = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def backend_name(group: ProcessGroup = None) -> str:
+    return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call: the logical operation, how it was carried out, and its size."""
+
+    op: str            # all_reduce | reduce_scatter | all_gather | broadcast
+    impl: str          # the torch collective actually issued
+    numel: int         # elements of the full buffer (reduce input, gather output)
+    dtype: torch.dtype
+    tag: str = ""      # who issued it ("grad", "param", "norm", ...)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class CommLog:
+    """The records of every collective issued while a `record()` block is active."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def of(self, op: str, tag: Optional[str] = None) -> list[CommRecord]:
+        return [r for r in self.records if r.op == op and (tag is None or r.tag == tag)]
+
+    def numel(self, op: str, tag: Optional[str] = None) -> int:
+        return sum(r.numel for r in self.of(op, tag))
+
+
+_active_logs: list[CommLog] = []  # a debugging aid, not configuration: see record()
+
+
+@contextlib.contextmanager
+def record() -> Iterator[CommLog]:
+    """Record every collective issued inside the block (nesting allowed)."""
+    log = CommLog()
+    _active_logs.append(log)
+    try:
+        yield log
+    finally:
+        _active_logs.remove(log)
+
+
+def _log(op: str, impl: str, tensor: torch.Tensor, tag: str) -> None:
+    for log in _active_logs:
+        log.records.append(CommRecord(op, impl, tensor.numel(), tensor.dtype, tag))
+
+
+class Handle:
+    """A pending collective. `wait()` blocks until it is done and runs its completion step once."""
+
+    def __init__(self, work: Optional[dist.Work] = None, then: Optional[Callable[[], None]] = None) -> None:
+        self._work, self._then, self._done = work, then, False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._then is not None:
+            self._then()
+        self._done = True
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+def _finish(work: Optional[dist.Work], then: Optional[Callable[[], None]], async_op: bool) -> Handle:
+    handle = Handle(work, then)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
+               op: dist.ReduceOp = dist.ReduceOp.SUM, tag: str = "") -> Handle:
+    """Sum (or `op`) `tensor` in place across the group."""
+    _log("all_reduce", "all_reduce", tensor, tag)
+    if get_world_size(group) == 1:
+        return Handle()
+    return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), None, async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
+                   async_op: bool = False, use_all_reduce: bool = False, tag: str = "") -> Handle:
+    """Sum `input` across the group and leave this rank's 1/N slice in `output`.
+
+    `input` must be padded to a multiple of the group size; its contents are undefined afterwards
+    (it may hold the full sum). `use_all_reduce` forces the all-reduce form (DeepSpeed's
+    `reduce_scatter: false`); gloo always uses it (see the module note).
+    """
+    world = get_world_size(group)
+    if input.numel() != output.numel() * world:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x "
+                         f"{output.numel()} (pad the buffer to a multiple of the group size)")
+    if world == 1:
+        _log("reduce_scatter", "none", input, tag)
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle()
+    if use_all_reduce or backend_name(group) == "gloo":
+        _log("reduce_scatter", "all_reduce", input, tag)
+        lo = get_rank(group) * output.numel()
+        mine = input[lo:lo + output.numel()]
+
+        def keep_slice() -> None:
+            if output.data_ptr() != mine.data_ptr():
+                output.copy_(mine)
+
+        work = dist.all_reduce(input, group=group, async_op=async_op)
+        return _finish(work, keep_slice, async_op)
+    _log("reduce_scatter", "reduce_scatter_tensor", input, tag)
+    return _finish(dist.reduce_scatter_tensor(output, input, group=group, async_op=async_op), None, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
+               async_op: bool = False, tag: str = "") -> Handle:
+    """Concatenate every rank's `input` (equal sizes) into `output`, in rank order.
+
+    `input` may be this rank's own slice of `output` (the usual in-place form).
+    """
+    world = get_world_size(group)
+    if output.numel() != input.numel() * world:
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {world} x {input.numel()}")
+    _log("all_gather", "all_gather_into_tensor", output, tag)
+    if world == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle()
+    if backend_name(group) != "nccl" and _overlaps(output, input):
+        # NCCL documents the in-place form; for other backends send a private copy to be safe.
+        input = input.clone()
+    return _finish(dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), None, async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *, tag: str = "") -> None:
+    """Copy rank `src`'s `tensor` to every rank (`src` is a rank of `group`)."""
+    _log("broadcast", "broadcast", tensor, tag)
+    if get_world_size(group) == 1:
+        return
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast(tensor, src=global_src, group=group)
+
+
+def all_reduce_max_flag(flag: bool, group: ProcessGroup = None, *, tag: str = "") -> bool:
+    """True on every rank if `flag` is true on any rank (e.g. an fp16 overflow somewhere)."""
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=_device_for(group))
+    all_reduce(t, group, op=dist.ReduceOp.MAX, tag=tag)
+    return bool(t.item() > 0)
+
+
+def _device_for(group: ProcessGroup) -> torch.device:
+    if backend_name(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
+    b0, b1 = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1

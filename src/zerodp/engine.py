@@ -1,0 +1,213 @@
+"""The engine: forward, backward, step and accumulation over one model, for every ZeRO stage.
+
+Stages are policies over this one engine, not copies of it: stages 0-2 lay trainable parameters out
+in gradient buckets (`buckets.py`), stage 3 in gathered units (`stage3/`); both hand the same
+`ShardedUnit` interface to the `ShardedOptimizer`.
+
+Scale factors, in one place: backward multiplies the micro-batch mean loss by
+    loss_scale / gradient_accumulation_steps
+so that, after gradients are summed over micro-steps and averaged over ranks (buckets divide by N),
+the update equals one step on the global batch; the loss scale is divided out before clipping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from . import comm
+from .buckets import GradReducer, ReducePolicy, build_buckets
+from .config import ConfigError, ZeroConfig, load_config
+from .memory_report import MemoryReport, measure_memory
+from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
+from .optimizer import ShardedOptimizer
+from .precision import LossScaler, PrecisionPolicy
+
+log = logging.getLogger("zerodp")
+
+
+class ZeroEngine:
+    """A model trained with ZeRO. Create it with `zerodp.initialize`."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig,
+                 process_group: comm.ProcessGroup = None) -> None:
+        self.module = model
+        self.config = config
+        self.process_group = process_group
+        self.rank = comm.get_rank(process_group)
+        self.world_size = comm.get_world_size(process_group)
+        self.stage = config.stage
+        self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = \
+            config.resolve_batch(self.world_size)
+        self.precision = PrecisionPolicy.from_config(config)
+        self.scaler = LossScaler.from_config(config)
+        self.global_step = 0
+        self.micro_step = 0
+        self.skipped_steps = 0
+        self._backward_since_step = False
+        self._last_step_time = time.perf_counter()
+
+        if self.stage == 3:
+            raise ConfigError("zero_optimization.stage=3 is not available in this version yet; use stage 0-2")
+        trainable = _trainable_parameters(model)
+        user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
+        check_supported(user_opt, config.zero_allow_untested_optimizer)
+        groups = _optimizer_groups(model, user_opt)
+        self._broadcast_module_state()
+        if self.precision.mixed:
+            model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
+        policy = ReducePolicy.for_stage(self.stage, config.zero_optimization.reduce_scatter)
+        self.units = build_buckets(groups, policy, process_group, config.zero_optimization.reduce_bucket_size)
+        self.reducer = GradReducer(self.units, process_group, overlap=config.zero_optimization.overlap_comm)
+        gather_numel = config.zero_optimization.allgather_bucket_size
+        self.optimizer = ShardedOptimizer(
+            self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
+            sharded=policy.shard_optimizer, gradient_clipping=config.gradient_clipping,
+            gather=(lambda units: _gather_params(units, gather_numel)) if policy.shard_optimizer else None)
+
+    # -- the training loop -----------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
+        if self.precision.mixed:
+            args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
+        return self.module(*args, **kwargs)
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        """True when the next `step()` runs the optimizer."""
+        return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate the micro-batch mean `loss` (divided by the accumulation steps, loss-scaled)."""
+        if loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        boundary = self.is_accumulation_boundary
+        self.reducer.start_micro_step(reduce=boundary or self.reducer_every_micro_step)
+        scale = self.scaler.scale / self.gradient_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward()
+        self._received = self.reducer.flush(boundary)
+        self._backward_since_step = True
+
+    @property
+    def reducer_every_micro_step(self) -> bool:
+        return self.stage == 2
+
+    def step(self) -> None:
+        """Call after every backward: at an accumulation boundary, step the optimizer and zero grads."""
+        if not self._backward_since_step:
+            raise RuntimeError("engine.step() called without engine.backward(loss) since the last step")
+        boundary = self.is_accumulation_boundary
+        self.micro_step += 1
+        self._backward_since_step = False
+        if not boundary:
+            return
+        stepped = self.optimizer.step(self._received)
+        self.skipped_steps += 0 if stepped else 1
+        for unit in self.units:
+            unit.zero_grad()
+        self.global_step += 1
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        every = self.config.steps_per_print
+        if every and self.global_step % every == 0 and self.rank == 0:
+            now = time.perf_counter()
+            log.info("zerodp step %d: loss_scale=%g grad_norm=%s skipped=%d (%.3fs/step)", self.global_step,
+                     self.loss_scale, self.grad_norm, self.skipped_steps, (now - self._last_step_time) / every)
+            self._last_step_time = now
+
+    # -- read-only figures -----------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """Global gradient norm of the last step, before clipping (None after a skipped step)."""
+        return self.optimizer.last_grad_norm
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def memory_report(self) -> MemoryReport:
+        """This rank's parameter, gradient and optimizer bytes, measured and as the paper predicts."""
+        return measure_memory(self)
+
+    # -- set-up helpers --------------------------------------------------------------------------
+
+    def _broadcast_module_state(self) -> None:
+        # note: every rank starts from rank 0's weights and buffers, as DDP does
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                comm.broadcast(t.data, 0, self.process_group, tag="init")
+
+
+def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _optimizer_groups(model: nn.Module, optimizer) -> list[list[nn.Parameter]]:
+    """The optimizer's groups restricted to trainable parameters, checked against the model."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable = {id(p) for p in _trainable_parameters(model)}
+    groups, seen = [], set()
+    for group in optimizer.param_groups:
+        kept = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ConfigError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter "
+                                  f"of the model; build the optimizer on model.parameters()")
+            if id(p) in trainable:  # frozen parameters never reach the optimizer, as they get no grad
+                kept.append(p)
+                seen.add(id(p))
+        groups.append(kept)
+    missing = [names[i] for i in trainable if i not in seen]
+    if missing:
+        raise ConfigError(f"trainable parameters not in the optimizer: {', '.join(missing[:5])}"
+                          f"{' ...' if len(missing) > 5 else ''}; add them or set requires_grad=False")
+    # Parameter order inside a group follows the model (not the optimizer), so every rank agrees.
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    return [sorted(g, key=lambda p: order[id(p)]) for g in groups]
+
+
+def _gather_params(units, bucket_numel: int) -> None:
+    """Re-assemble full parameters after the step: every unit's shards, all-gathered."""
+    from .buckets import gather_bucket_params
+
+    handles = [gather_bucket_params(u, bucket_numel) for u in units]
+    for h in handles:
+        h()
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        cast = [_cast_floats(o, dtype) for o in obj]
+        return type(obj)(cast) if not hasattr(obj, "_fields") else type(obj)(*cast)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
+               process_group: comm.ProcessGroup = None) -> ZeroEngine:
+    """Wrap `model` for ZeRO training as `config` says; see the README's quick start."""
+    comm.init_distributed()
+    return ZeroEngine(model, optimizer, load_config(config), process_group)
