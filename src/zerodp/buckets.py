@@ -184,12 +184,22 @@ class GradBucket:
 
 
 class GradReducer:
-    """Owns the buckets' hooks and launches reductions in bucket order (see [Note: collective order])."""
+    """The stage 0-2 sharding strategy: owns the buckets' hooks, launches reductions in bucket order
+    (see [Note: collective order]) and re-assembles parameters after the step.
 
-    def __init__(self, buckets: list[GradBucket], process_group: comm.ProcessGroup, overlap: bool) -> None:
+    The engine drives any strategy through the same five members: `units`,
+    `reduces_every_micro_step`, `start_micro_step`, `flush` and `after_step`.
+    """
+
+    def __init__(self, buckets: list[GradBucket], process_group: comm.ProcessGroup, overlap: bool,
+                 policy: ReducePolicy, allgather_numel: int) -> None:
         self.buckets = buckets
+        self.units = buckets
         self.process_group = process_group
         self.overlap = overlap
+        self.policy = policy
+        self.reduces_every_micro_step = policy.reduces_every_micro_step()
+        self.allgather_numel = allgather_numel
         self.reducing_this_micro_step = False
         self._next_launch = 0
         self._hooks = []
@@ -245,6 +255,14 @@ class GradReducer:
                 b.launch(async_op=False)
                 b.wait()
         return flags[len(self.buckets):] > 0 if boundary else None
+
+    def after_step(self) -> None:
+        """All-gather every bucket's updated shards into the full parameters (stages 1-2)."""
+        if not self.policy.shard_optimizer:
+            return  # stage 0: every rank stepped the full parameters already
+        waits = [gather_bucket_params(b, self.allgather_numel) for b in self.buckets]
+        for wait in waits:
+            wait()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

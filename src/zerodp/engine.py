@@ -51,8 +51,6 @@ class ZeroEngine:
         self._backward_since_step = False
         self._last_step_time = time.perf_counter()
 
-        if self.stage == 3:
-            raise ConfigError("zero_optimization.stage=3 is not available in this version yet; use stage 0-2")
         trainable = _trainable_parameters(model)
         user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
         check_supported(user_opt, config.zero_allow_untested_optimizer)
@@ -60,14 +58,11 @@ class ZeroEngine:
         self._broadcast_module_state()
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
-        policy = ReducePolicy.for_stage(self.stage, config.zero_optimization.reduce_scatter)
-        self.units = build_buckets(groups, policy, process_group, config.zero_optimization.reduce_bucket_size)
-        self.reducer = GradReducer(self.units, process_group, overlap=config.zero_optimization.overlap_comm)
-        gather_numel = config.zero_optimization.allgather_bucket_size
+        self.sharding = _build_sharding(model, groups, config, process_group)
+        self.units = self.sharding.units
         self.optimizer = ShardedOptimizer(
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
-            sharded=policy.shard_optimizer, gradient_clipping=config.gradient_clipping,
-            gather=(lambda units: _gather_params(units, gather_numel)) if policy.shard_optimizer else None)
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, gather=self.sharding.after_step)
 
     # -- the training loop -----------------------------------------------------------------------
 
@@ -90,15 +85,11 @@ class ZeroEngine:
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         boundary = self.is_accumulation_boundary
-        self.reducer.start_micro_step(reduce=boundary or self.reducer_every_micro_step)
+        self.sharding.start_micro_step(reduce=boundary or self.sharding.reduces_every_micro_step)
         scale = self.scaler.scale / self.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward()
-        self._received = self.reducer.flush(boundary)
+        self._received = self.sharding.flush(boundary)
         self._backward_since_step = True
-
-    @property
-    def reducer_every_micro_step(self) -> bool:
-        return self.stage == 2
 
     def step(self) -> None:
         """Call after every backward: at an accumulation boundary, step the optimizer and zero grads."""
@@ -186,13 +177,16 @@ def _optimizer_groups(model: nn.Module, optimizer) -> list[list[nn.Parameter]]:
     return [sorted(g, key=lambda p: order[id(p)]) for g in groups]
 
 
-def _gather_params(units, bucket_numel: int) -> None:
-    """Re-assemble full parameters after the step: every unit's shards, all-gathered."""
-    from .buckets import gather_bucket_params
+def _build_sharding(model: nn.Module, groups, config: ZeroConfig, process_group: comm.ProcessGroup):
+    """The strategy object for the configured stage (see `buckets.GradReducer` for its members)."""
+    zero = config.zero_optimization
+    if config.stage == 3:
+        from .stage3 import build_stage3_sharding
 
-    handles = [gather_bucket_params(u, bucket_numel) for u in units]
-    for h in handles:
-        h()
+        return build_stage3_sharding(model, groups, config, process_group)
+    policy = ReducePolicy.for_stage(config.stage, zero.reduce_scatter)
+    buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size)
+    return GradReducer(buckets, process_group, zero.overlap_comm, policy, zero.allgather_bucket_size)
 
 
 def _cast_floats(obj, dtype: torch.dtype):

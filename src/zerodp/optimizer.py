@@ -54,7 +54,7 @@ class ShardedOptimizer:
         self.process_group = process_group
         self.sharded = sharded  # gradients/norms are split across ranks (stages 1-3)
         self.gradient_clipping = gradient_clipping
-        self.gather = gather    # callable(units) re-assembling full parameters after the step, or None
+        self.gather = gather    # callable() re-assembling full parameters after the step, or None
         self.masters: list[torch.Tensor] = []
         for unit in units:
             if precision.mixed:
@@ -133,7 +133,7 @@ class ShardedOptimizer:
             for unit, master in zip(self.units, self.masters):
                 unit.param_shard.copy_(master)
         if self.gather is not None:
-            self.gather(self.units)
+            self.gather()
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
         return True

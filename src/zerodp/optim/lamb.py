@@ -48,8 +48,8 @@ class LAMB(torch.optim.Optimizer):
                 if group["weight_decay"]:
                     u.add_(p, alpha=group["weight_decay"])
                 updates.append(u)
-            w_norms = self.shard_norms.norms(params)
-            u_norms = self.shard_norms.norms(updates)
+            w_norms = self.shard_norms.norms(params, params)
+            u_norms = self.shard_norms.norms(updates, params)
             for p, u, wn, un in zip(params, updates, w_norms, u_norms):
                 ratio = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
                 p.sub_(u * ratio * group["lr"])

@@ -64,8 +64,8 @@ class LARC:
             if not params:
                 continue
             grads = [p.grad for p in params]
-            p_norms = self.shard_norms.norms(params)
-            g_norms = self.shard_norms.norms(grads)
+            p_norms = self.shard_norms.norms(params, params)
+            g_norms = self.shard_norms.norms(grads, params)
             for p, g, pn, gn in zip(params, grads, p_norms, g_norms):
                 active = (pn != 0) & (gn != 0)
                 local_lr = self.trust_coefficient * pn / (gn + pn * wd + self.eps)

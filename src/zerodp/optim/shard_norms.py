@@ -43,14 +43,15 @@ class ShardNorms:
         self._group = process_group
         self._sharded = sharded
 
-    def norms(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """For each tensor, a same-shaped tensor holding the norm of the parameter of each element."""
+    def norms(self, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """For each tensor (a parameter or a tensor shaped like it: its gradient, its update), a
+        same-shaped tensor holding, per element, the whole-parameter norm of that tensor."""
         if not self._segments:
             return [torch.linalg.vector_norm(t).expand_as(t) for t in tensors]
         squares = torch.zeros(self._num_slots, dtype=torch.float32, device=tensors[0].device)
         plans = []
-        for t in tensors:
-            seg = self._segments[id(t)]
+        for t, p in zip(tensors, params):
+            seg = self._segments[id(p)]
             used = int(seg.lengths.sum())
             flat = t.reshape(-1).float()
             partial = torch.segment_reduce(flat[:used] * flat[:used], "sum", lengths=seg.lengths)

@@ -1,0 +1,114 @@
+"""Shared pieces of the multi-rank tests: a parity model, deterministic data, and the plain-PyTorch
+reference that every zerodp run is compared against (one process, the global batch)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zerodp
+
+IN, HID, OUT = 12, 23, 5  # odd sizes so that flat buffers need padding at world sizes 2 and 3
+
+
+class ParityNet(nn.Module):
+    """Covers the awkward cases: a frozen layer, a parameter that never gets a gradient, a 1-D
+    parameter, and weights/biases in different param groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, HID)
+        self.frozen = nn.Linear(HID, HID)
+        self.frozen.requires_grad_(False)
+        self.gain = nn.Parameter(torch.ones(HID))
+        self.hidden = nn.Linear(HID, HID)
+        self.out = nn.Linear(HID, OUT)
+        self.unused = nn.Linear(HID, 3)  # never called: its .grad stays None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.frozen(h)) * self.gain
+        h = torch.tanh(self.hidden(h))
+        return self.out(h)
+
+
+def make_model(seed: int = 0) -> ParityNet:
+    torch.manual_seed(seed)
+    return ParityNet()
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: matrices with weight decay, vectors (biases, gains) without."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(name: str, model: nn.Module):
+    if name == "sgd":
+        return torch.optim.SGD(param_groups(model, 1e-2), lr=0.05, momentum=0.9, nesterov=True)
+    if name == "adamw":
+        return torch.optim.AdamW(param_groups(model, 1e-2), lr=1e-2)
+    if name == "larc":
+        return zerodp.optim.LARC(torch.optim.SGD(param_groups(model, 1e-3), lr=0.1, momentum=0.9),
+                                 trust_coefficient=0.02, clip=True)
+    if name == "lamb":
+        return zerodp.optim.LAMB(param_groups(model, 1e-2), lr=1e-2)
+    raise ValueError(name)
+
+
+_TEACHER = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(7))
+
+
+def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh inputs each step; targets from a fixed teacher plus noise, so the loss can fall."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(rows, IN, generator=g)
+    y = torch.tanh(x @ _TEACHER) + 0.05 * torch.randn(rows, OUT, generator=g)
+    return x, y
+
+
+def micro_batch(step: int, micro: int, rank: int, world: int, micro_bs: int, gas: int):
+    """Rank `rank`'s rows of micro-step `micro`: the global batch split by micro-step, then by rank."""
+    x, y = global_batch(step, micro_bs * world * gas)
+    lo = (micro * world + rank) * micro_bs
+    return x[lo:lo + micro_bs], y[lo:lo + micro_bs]
+
+
+def reference_run(opt_name: str, steps: int, rows: int, clip: float) -> tuple[list[float], dict]:
+    """Plain PyTorch, one process, the global batch: the losses of each step and the final params."""
+    model = make_model()
+    opt = make_optimizer(opt_name, model)
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, rows)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def zerodp_run(config: dict, opt_name: str, steps: int, micro_bs: int) -> tuple[list[float], dict]:
+    """Train with zerodp on this rank; returns the global-mean loss of each step and the final params."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    engine = zerodp.initialize(model, make_optimizer(opt_name, model), config)
+    gas = engine.gradient_accumulation_steps
+    losses = []
+    for step in range(steps):
+        total = torch.zeros(1)
+        for micro in range(gas):
+            x, y = micro_batch(step, micro, rank, world, micro_bs, gas)
+            loss = F.mse_loss(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / (world * gas))
+    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
