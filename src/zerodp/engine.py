@@ -51,6 +51,10 @@ class ZeroEngine:
         self._backward_since_step = False
         self._last_step_time = time.perf_counter()
 
+        # Every name of every parameter: tied weights have several (e.g. wte.weight and lm_head.weight).
+        self.param_names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.param_names.setdefault(id(p), []).append(name)
         trainable = _trainable_parameters(model)
         user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
         check_supported(user_opt, config.zero_allow_untested_optimizer)
@@ -139,6 +143,26 @@ class ZeroEngine:
     def memory_report(self) -> MemoryReport:
         """This rank's parameter, gradient and optimizer bytes, measured and as the paper predicts."""
         return measure_memory(self)
+
+    # -- checkpoints (see checkpoint.py) --------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+        """Every rank writes its own shards under save_dir/tag; returns the checkpoint's path."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir, tag: Optional[str] = None) -> dict:
+        """Resume from a checkpoint (any world size or stage); returns the saved client_state."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag)
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict:
+        """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
+        from .checkpoint import full_state_dict
+
+        return full_state_dict(self, rank0_only=rank0_only)
 
     # -- set-up helpers --------------------------------------------------------------------------
 
