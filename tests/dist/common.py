@@ -112,3 +112,38 @@ def zerodp_run(config: dict, opt_name: str, steps: int, micro_bs: int) -> tuple[
         dist.all_reduce(total)
         losses.append(total.item() / (world * gas))
     return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+class _Params:
+    """Stands in for a model where only `.parameters()` is needed (building param groups)."""
+
+    def __init__(self, params: list) -> None:
+        self._params = params
+
+    def parameters(self):
+        return iter(self._params)
+
+
+def reference_mixed_run(dtype: torch.dtype, opt_name: str, steps: int, rows: int, clip: float,
+                        loss_scale: float = 1.0) -> tuple[list[float], dict]:
+    """Plain PyTorch mixed precision on the global batch: the model computes in `dtype`, the optimizer
+    steps fp32 master copies, the loss is scaled by a static `loss_scale` and unscaled before clipping."""
+    model = make_model().to(dtype)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = make_optimizer(opt_name, _Params(masters))  # same groups, built over the fp32 masters
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, rows)
+        loss = F.mse_loss(model(x.to(dtype)).float(), y)
+        (loss * loss_scale).backward()
+        for p, m in zip(model.parameters(), masters):
+            m.grad = None if p.grad is None else p.grad.float() / loss_scale
+        if clip:
+            torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], clip)
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}

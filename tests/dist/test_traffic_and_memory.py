@@ -1,0 +1,81 @@
+"""What each stage moves and holds, against the ZeRO paper: 2Ψ of traffic per step for stages 0-2
+(all-reduce = reduce-scatter + all-gather), gradients kept at 1/N by stage 2, and model-state bytes
+per rank equal to the formula (params, grads, optimizer) within 1% plus padding."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zerodp
+from zerodp import comm
+from tests.dist.common import make_model, make_optimizer, micro_batch
+
+
+def one_step(stage: int, precision: str = "fp32", bucket: int = 300) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), cfg)
+    x, y = micro_batch(0, 0, rank, world, 4, 1)
+    with comm.record() as log:
+        engine.backward(F.mse_loss(engine(x).float(), y))
+        grad_bytes_after_backward = sum(u.grad_bytes() for u in engine.units)
+        engine.step()
+    padded = sum(u.layout.padded_numel for u in engine.units)
+    return {
+        "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "padded": padded,
+        "elem": 2 if precision == "bf16" else 4,
+        "grad_numel": log.numel("all_reduce", "grad") + log.numel("reduce_scatter", "grad"),
+        "grad_ops": sorted({r.op for r in log.records if r.tag == "grad"}),
+        "param_numel": log.numel("all_gather", "param"),
+        "control_numel": sum(r.numel for r in log.records if r.tag in ("control", "norm")),
+        "grad_bytes_after_backward": grad_bytes_after_backward,
+        "report": engine.memory_report().as_dict(),
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("world", [2, 3])
+def test_traffic_per_step_is_two_psi(dist_run, world, stage):
+    for r in dist_run(world, one_step, stage):
+        psi, padded = r["psi"], r["padded"]
+        assert padded - psi < world * 8, "padding stays below N elements per bucket"
+        assert r["grad_numel"] == padded, "every gradient element is reduced exactly once"
+        if stage == 0:
+            assert r["grad_ops"] == ["all_reduce"] and r["param_numel"] == 0  # all-reduce = RS + AG = 2Ψ
+        else:
+            assert r["grad_ops"] == ["reduce_scatter"]
+            assert r["param_numel"] == padded  # Ψ reduce-scatter + Ψ all-gather = 2Ψ, as the paper says
+        # bookkeeping (overflow/late-gradient flags, norm) is a few scalars per parameter, not per element
+        assert r["control_numel"] < 0.2 * psi
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage2_keeps_one_nth_of_gradients(dist_run, world):
+    for r in dist_run(world, one_step, 2):
+        shard_bytes = r["padded"] // world * r["elem"]
+        assert r["grad_bytes_after_backward"] == shard_bytes
+        assert r["report"]["grads_bytes"] == shard_bytes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("world", [2, 3])
+def test_memory_report_matches_formula(dist_run, world, stage, precision):
+    for r in dist_run(world, one_step, stage, precision):
+        rep = r["report"]
+        pad = rep["padding_numel"]
+        k = (4 if precision == "bf16" else 0) + 8  # fp32 master if separate + Adam's two moments
+        for kind, per_elem in (("params", r["elem"]), ("grads", r["elem"]), ("optimizer", k)):
+            measured, predicted = rep[f"{kind}_bytes"], rep[f"{kind}_bytes_predicted"]
+            assert abs(measured - predicted) <= 0.01 * predicted + pad * per_elem, (kind, measured, predicted)
+        # the prediction is the paper's: stage 1 4Ψ+KΨ/N, stage 2 2Ψ+(2+K)Ψ/N with mixed precision
+        psi, n, e = rep["numel"], world, r["elem"]
+        expected = {0: e * psi + e * psi + k * psi, 1: 2 * e * psi + k * psi / n,
+                    2: e * psi + (e + k) * psi / n}[stage]
+        total = sum(rep[f"{kind}_bytes_predicted"] for kind in ("params", "grads", "optimizer"))
+        assert total == pytest.approx(expected)
