@@ -192,7 +192,7 @@ def _optimizer_groups(model: nn.Module, optimizer) -> list[list[nn.Parameter]]:
                 kept.append(p)
                 seen.add(id(p))
         groups.append(kept)
-    missing = [names[i] for i in trainable if i not in seen]
+    missing = [names[id(p)] for p in _trainable_parameters(model) if id(p) not in seen]
     if missing:
         raise ConfigError(f"trainable parameters not in the optimizer: {', '.join(missing[:5])}"
                           f"{' ...' if len(missing) > 5 else ''}; add them or set requires_grad=False")

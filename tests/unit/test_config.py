@@ -1,0 +1,124 @@
+"""Config: DeepSpeed's keys, VISSL's dialect, and errors that name the key and the fix."""
+
+import json
+
+import pytest
+
+from zerodp.config import ConfigError, ZeroConfig, load_config, reference_markdown
+
+DEEPSPEED_CONFIG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                              "weight_decay": 0.01, "torch_adam": True}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8,
+                          "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True},
+    "steps_per_print": 10,
+}
+
+
+def test_deepspeed_config_is_accepted_unchanged(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DEEPSPEED_CONFIG))
+    cfg = load_config(str(path))
+    assert cfg.stage == 2 and cfg.fp16.enabled and cfg.fp16.initial_scale_power == 12
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.optimizer.type == "AdamW"
+    assert cfg.resolve_batch(world_size=4) == (32, 4, 2)
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("zero_optimization:\n  stage: 1\nbf16:\n  enabled: true\n")
+    cfg = load_config(path)
+    assert cfg.stage == 1 and cfg.bf16.enabled
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ({"zero_optimisation": {"stage": 1}}, "did you mean 'zero_optimization'"),
+    ({"zero_optimization": {"stag": 1}}, "did you mean 'stage'"),
+    ({"fp16": {"enabeld": True}}, "did you mean 'enabled'"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage: Input should be less than or equal to 3"),
+    ({"gradient_clipping": -1}, "gradient_clipping: Input should be greater than or equal to 0"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "not implemented yet"),
+    ({"zero_optimization": {"contiguous_gradients": False}}, "contiguous_gradients=false is not supported"),
+])
+def test_bad_keys_and_values_name_the_problem(bad, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert fragment in str(err.value)
+
+
+def test_missing_file_and_bad_suffix(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.json")
+    (tmp_path / "c.toml").write_text("x=1")
+    with pytest.raises(ConfigError, match="use .json, .yaml or .yml"):
+        load_config(tmp_path / "c.toml")
+
+
+def test_batch_size_rules():
+    assert ZeroConfig(train_batch_size=24, train_micro_batch_size_per_gpu=4).resolve_batch(3) == (24, 4, 2)
+    assert ZeroConfig(train_batch_size=24, gradient_accumulation_steps=2).resolve_batch(3) == (24, 4, 2)
+    assert ZeroConfig().resolve_batch(2) == (2, 1, 1)
+    with pytest.raises(ConfigError, match="not divisible"):
+        ZeroConfig(train_batch_size=10, train_micro_batch_size_per_gpu=4).resolve_batch(2)
+    with pytest.raises(ConfigError, match="!="):
+        ZeroConfig(train_batch_size=10, train_micro_batch_size_per_gpu=4,
+                   gradient_accumulation_steps=1).resolve_batch(2)
+
+
+VISSL_YAML = """
+OPTIMIZER:
+  name: zero
+  use_zero: true
+  base_optimizer:
+    name: sgd
+    use_larc: true
+    larc_config:
+      clip: false
+      trust_coefficient: 0.001
+      eps: 0.00000001
+    weight_decay: 0.000001
+    momentum: 0.9
+    nesterov: false
+  param_schedulers:
+    lr:
+      name: constant
+      value: 0.1
+MODEL:
+  SHARDED_DDP_SETUP:
+    USE_SDP: true
+    reduce_buffer_size: -1
+"""
+
+
+def test_vissl_dialect(tmp_path):
+    path = tmp_path / "vissl.yaml"
+    path.write_text(VISSL_YAML)
+    cfg = load_config(path)
+    assert cfg.stage == 2  # USE_SDP
+    assert cfg.optimizer.type == "sgd"
+    assert cfg.optimizer.params == {"lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 1e-6,
+                                    "larc": {"clip": False, "trust_coefficient": 0.001, "eps": 1e-8}}
+    without_sdp = VISSL_YAML.replace("USE_SDP: true", "USE_SDP: false")
+    path.write_text(without_sdp)
+    assert load_config(path).stage == 1  # OPTIMIZER.name: zero alone is optimizer-state sharding
+
+
+def test_vissl_unknown_key_and_missing_lr():
+    with pytest.raises(ConfigError, match="did you mean 'use_larc'"):
+        load_config({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd", "use_lars": True}}})
+    with pytest.raises(ConfigError, match="constant learning rate"):
+        load_config({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd"}}})
+
+
+def test_reference_lists_every_key():
+    text = reference_markdown()
+    for key in ("zero_optimization.stage", "fp16.initial_scale_power", "zero_optimization.reduce_bucket_size",
+                "gradient_clipping", "bf16.enabled"):
+        assert f"`{key}`" in text
