@@ -33,7 +33,7 @@ def test_optimizer_over_foreign_tensor():
 
 def test_trainable_parameter_missing_from_optimizer():
     model = make_model()
-    with pytest.raises(zerodp.ConfigError, match="not in the optimizer: embed.bias, gain, hidden.weight.*add them or set requires_grad=False"):
+    with pytest.raises(zerodp.ConfigError, match="not in the optimizer: gain, embed.bias, hidden.weight.*add them or set requires_grad=False"):
         zerodp.initialize(model, torch.optim.SGD([model.embed.weight], lr=0.1), {})
 
 
