@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import comm
 from .flat_buffer import FlatBuffer, alloc_storage, free_storage
-from .partition import FlatLayout
+from .partition import FlatLayout, chunk_ranges
 
 
 @dataclass(frozen=True)
@@ -310,8 +310,7 @@ def gather_bucket_params(bucket: GradBucket, chunk_numel: int):
         return handle.wait
     per_rank = max(1, chunk_numel // world)
     staging = torch.empty(world * min(per_rank, shard), dtype=full.dtype, device=full.device)
-    for lo in range(0, shard, per_rank):  # one chunk at a time: the staging buffer bounds memory
-        hi = min(lo + per_rank, shard)
+    for lo, hi in chunk_ranges(shard, per_rank):  # one chunk at a time: the staging buffer bounds memory
         part = staging[:world * (hi - lo)]
         comm.all_gather(part, bucket.param_shard[lo:hi], group, tag="param")
         full.view(world, shard)[:, lo:hi].copy_(part.view(world, hi - lo))
