@@ -7,6 +7,9 @@
 from . import optim
 from .config import ConfigError, ZeroConfig, load_config
 from .engine import ZeroEngine, initialize
+from .checkpoint_format import CheckpointError
+from .consolidate import consolidate_checkpoint, save_consolidated
 
 __all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ConfigError", "load_config", "optim"]
+__all__ += ["consolidate_checkpoint", "save_consolidated", "CheckpointError"]
 __version__ = "0.1.0"

@@ -248,13 +248,15 @@ class GradReducer:
         parts = [torch.tensor(late)]
         if boundary:
             parts += [b.received.float() for b in self.buckets]
-        flags = torch.cat(parts)
+        # collectives need the backend's device (NCCL: CUDA); the flags are tiny
+        device = self.buckets[0].param_buffer.tensor.device if self.buckets else None
+        flags = torch.cat(parts).to(device)
         comm.all_reduce(flags, self.process_group, op=dist.ReduceOp.MAX, tag="control")
         for b, flag in zip(self.buckets, flags[:len(self.buckets)].tolist()):
             if flag > 0:
                 b.launch(async_op=False)
                 b.wait()
-        return flags[len(self.buckets):] > 0 if boundary else None
+        return (flags[len(self.buckets):] > 0).cpu() if boundary else None
 
     def after_step(self) -> None:
         """All-gather every bucket's updated shards into the full parameters (stages 1-2)."""

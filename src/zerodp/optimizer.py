@@ -90,7 +90,7 @@ class ShardedOptimizer:
         return comm.all_reduce_max_flag(local, self.process_group, tag="control")
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
         if self.sharded:
