@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test clean
+.PHONY: setup train test bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,19 @@ train: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x tests
+
+# Side by side against DDP, torch's ZeroRedundancyOptimizer, FSDP1/2 and DeepSpeed (in its own venv:
+# DeepSpeed is a peer to measure, never a dependency of zerodp). Needs an otherwise idle machine.
+BENCH_VENV := bench/.venv
+$(BENCH_VENV)/.installed:
+	$(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/pip install -q deepspeed==0.19.8 ninja
+	$(BENCH_VENV)/bin/pip install -q -e .
+	touch $@
+
+bench: $(BENCH_VENV)/.installed
+	OMP_NUM_THREADS=1 $(BENCH_VENV)/bin/python bench/run.py
 
 clean:
 	rm -rf $(VENV) runs
