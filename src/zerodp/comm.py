@@ -56,6 +56,18 @@ def backend_name(group: ProcessGroup = None) -> str:
     return str(dist.get_backend(group)) if is_initialized() else "none"
 
 
+def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
+    """A second communicator over the ranks of `group` (same backend); only those ranks call it.
+
+    Collectives on different communicators are matched independently, so two streams of
+    collectives whose relative order may differ between ranks can each keep their own order.
+    """
+    if get_world_size(group) == 1:
+        return group
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend=backend_name(group), use_local_synchronization=True)
+
+
 @dataclass(frozen=True)
 class CommRecord:
     """One collective call: the logical operation, how it was carried out, and its size."""

@@ -26,6 +26,7 @@ from .memory_report import MemoryReport, measure_memory
 from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
 from .optimizer import ShardedOptimizer
 from .precision import LossScaler, PrecisionPolicy
+from .stage3.params import PartitionedParameter
 
 log = logging.getLogger("zerodp")
 
@@ -67,6 +68,8 @@ class ZeroEngine:
         self.optimizer = ShardedOptimizer(
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, gather=self.sharding.after_step)
+        if hasattr(self.sharding, "attach_optimizer"):  # stage 3: gathered_parameters writes reach the masters
+            self.sharding.attach_optimizer(self.optimizer)
 
     # -- the training loop -----------------------------------------------------------------------
 
@@ -170,6 +173,8 @@ class ZeroEngine:
         # note: every rank starts from rank 0's weights and buffers, as DDP does
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
+                if isinstance(t, PartitionedParameter):
+                    continue  # created partitioned by zerodp.init_context: equal on every rank already
                 comm.broadcast(t.data, 0, self.process_group, tag="init")
 
 

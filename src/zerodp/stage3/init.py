@@ -1,0 +1,181 @@
+"""`init_context`: build a model whose parameters are partitioned from the moment they exist.
+
+    with zerodp.init_context(config):
+        model = GPT(cfg)          # every rank keeps 1/N of each parameter; none holds the model
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), config)
+
+[Note: partitioned at creation]
+While the block runs, a module-parameter registration hook (torch's public global hook, removed
+on exit) takes each new parameter as it is assigned to a module, keeps this rank's 1/N slice of
+its values (padded to a multiple of N, per parameter) and releases the rest: the parameter keeps
+its shape and becomes a `PartitionedParameter` (see [Note: partitioned parameters]). Peak memory
+is the model's shards plus one full parameter, never the model.
+
+Initialization code that runs later in the block (`reset_parameters`, `nn.init.*`, a model's own
+`_init_weights`) touches partitioned parameters; each such access gathers the parameter whole
+(all-gather of its slices), runs the operation, and keeps it whole until another parameter is
+touched, at which point it is partitioned again: rank 0's values are broadcast first, so ranks
+that drew different random numbers still agree. Every rank therefore draws the same random
+numbers on full-size tensors as a plain construction would: a model built here equals, value for
+value, the same model built without it from the same seed.
+
+On exit the slices are converted to the compute dtype (bf16/fp16 in the config), so that the
+engine's `model.to(dtype)` has nothing left to do for them. `zerodp.initialize` then lays the
+parameters out in units, gathering one parameter at a time into each unit's flat buffer. The
+engine must be built on the same ranks (`process_group`) and with a stage-3 config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..config import ConfigError, load_config
+from ..flat_buffer import alloc_storage, free_storage
+from ..precision import PrecisionPolicy
+from .params import PartitionedParameter, owner_of, register_owner, set_partitioned, unregister_owner
+
+
+class _InitShard:
+    """This rank's slice of one parameter created under `init_context`, and its padded buffer."""
+
+    def __init__(self, param: nn.Parameter, ctx: "_InitContext") -> None:
+        self.ctx = ctx
+        self._param = weakref.ref(param)  # a parameter replaced during construction (a tie) may die
+        self.module_name = "<init_context>"
+        self.cls = type(param)
+        numel, world = param.numel(), ctx.world
+        self.padded_numel = -(-numel // world) * world
+        shard_numel = self.padded_numel // world
+        lo = ctx.rank * shard_numel
+        flat = param.detach().reshape(-1)
+        self.shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
+        mine = flat[lo:min(lo + shard_numel, numel)]
+        self.shard[:mine.numel()].copy_(mine)
+        self.full = torch.empty(self.padded_numel, dtype=param.dtype, device=param.device)
+        param.data = self.full[:numel].view(param.shape)  # drops the parameter's own storage
+        free_storage(self.full)
+        set_partitioned([param], None)
+        self.whole = False
+
+    @property
+    def param(self) -> Optional[nn.Parameter]:
+        return self._param()
+
+    def name_of(self, param) -> str:
+        return "<a parameter created under zerodp.init_context>"
+
+    # -- gathering during initialization ----------------------------------------------------------
+
+    def gather(self) -> None:
+        alloc_storage(self.full, self.padded_numel)
+        comm.all_gather(self.full, self.shard, self.ctx.group, tag="param")
+        set_partitioned([self.param], [self.cls])
+        self.whole = True
+
+    def partition(self) -> None:
+        """Keep rank 0's values (random initializers may differ per rank) and release the rest."""
+        comm.broadcast(self.full, 0, self.ctx.group, tag="param")
+        lo = self.ctx.rank * self.shard.numel()
+        self.shard.copy_(self.full[lo:lo + self.shard.numel()])
+        set_partitioned([self.param], None)
+        free_storage(self.full)
+        self.whole = False
+
+    def gather_on_access(self, owners: list) -> bool:
+        if not self.ctx.active:
+            return False
+        self.ctx.make_whole([o for o in owners if isinstance(o, _InitShard)])
+        return True
+
+    # -- handing over to the engine ---------------------------------------------------------------
+
+    def to_dtype(self, dtype: torch.dtype) -> None:
+        """Convert the slice (and the shape-keeping placeholder) to the compute dtype."""
+        if dtype == self.shard.dtype or not self.param.is_floating_point():
+            return
+        self.shard = self.shard.to(dtype)
+        self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
+        set_partitioned([self.param], [self.cls])
+        self.param.data = self.full[:self.param.numel()].view(self.param.shape)  # a view needs the bytes...
+        set_partitioned([self.param], None)
+        free_storage(self.full)  # ...which go right after
+
+    def gather_into(self, out: torch.Tensor) -> None:
+        """Write the whole parameter into `out` (a collective) and forget this record."""
+        self.gather()
+        out.copy_(self.full[:self.param.numel()].view(out.shape))
+        free_storage(self.full)
+        unregister_owner(self.param)
+
+
+class _InitContext:
+    def __init__(self, group: comm.ProcessGroup, threshold: int, dtype: torch.dtype) -> None:
+        self.group = group
+        self.rank = comm.get_rank(group)
+        self.world = comm.get_world_size(group)
+        self.threshold = threshold
+        self.dtype = dtype
+        self.active = True
+        self.shards: list[_InitShard] = []
+        self._whole: list[_InitShard] = []
+
+    def on_register(self, module: nn.Module, name: str, param: Optional[nn.Parameter]):
+        if param is None or isinstance(param, PartitionedParameter) or owner_of(param) is not None:
+            return None  # absent, or already partitioned (a tied weight assigned a second time)
+        if param.numel() < self.threshold:
+            return None  # stays whole: the engine keeps it whole anyway (persistent)
+        shard = _InitShard(param, self)
+        register_owner(param, shard)
+        self.shards.append(shard)
+        return None
+
+    def make_whole(self, shards: list[_InitShard]) -> None:
+        """Gather `shards`; partition again whatever else was whole (one parameter at a time)."""
+        for s in [s for s in self._whole if s not in shards]:
+            if s.param is not None:  # the same on every rank: a parameter dies at the same line everywhere
+                s.partition()
+        self._whole = [s for s in self._whole if s in shards]
+        for s in shards:
+            if not s.whole:
+                s.gather()
+                self._whole.append(s)
+
+    def close(self) -> None:
+        self.make_whole([])
+        self.active = False
+        alive = [s for s in self.shards if s.param is not None and owner_of(s.param) is s]  # ties replaced some
+        for s in alive:
+            s.to_dtype(self.dtype)
+        self.shards = alive
+
+
+@contextlib.contextmanager
+def init_context(config, process_group: comm.ProcessGroup = None) -> Iterator[None]:
+    """Partition every parameter created in the block across `process_group` (see the module docstring).
+
+    `config` is the stage-3 config the engine will be built with (a dict, a path or a ZeroConfig).
+    """
+    cfg = load_config(config)
+    if cfg.stage != 3:
+        raise ConfigError(f"zerodp.init_context partitions parameters for ZeRO stage 3, but the config says "
+                          f"stage {cfg.stage}; set zero_optimization.stage to 3")
+    comm.init_distributed()
+    ctx = _InitContext(process_group, cfg.zero_optimization.stage3_param_persistence_threshold,
+                       PrecisionPolicy.from_config(cfg).param_dtype)
+    handle = nn.modules.module.register_module_parameter_registration_hook(ctx.on_register)
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        handle.remove()
+        if finished:
+            ctx.close()  # collectives: skipped if the block raised (other ranks may not be here)
+        else:
+            ctx.active = False
