@@ -32,6 +32,10 @@ _NOT_SUPPORTED = {
     "zero_quantized_gradients": "quantized communication (ZeRO++) is not implemented; remove the key",
     "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++) is not implemented; remove the key",
     "mics_shard_size": "MiCS is not implemented; remove the key",
+    "stage3_max_reuse_distance": "zerodp releases a unit after its forward and prefetches by recorded order "
+                                 "(stage3_prefetch_bucket_size, stage3_max_live_parameters); remove the key",
+    "stage3_gather_16bit_weights_on_model_save": "checkpoints are always consolidatable: use "
+                                                 "engine.full_state_dict() or `zerodp consolidate`; remove the key",
 }
 
 

@@ -50,8 +50,11 @@ def measure_memory(engine) -> MemoryReport:
     params = sum(u.param_bytes() for u in units)
     grads = sum(u.grad_bytes() for u in units)
     optimizer = engine.optimizer.state_bytes()
-    in_units = {id(p) for u in units for p in u.params}
-    frozen = sum(p.numel() * p.element_size() for p in engine.module.parameters() if id(p) not in in_units)
+    # Frozen parameters: stage 3 shards them into frozen units; other stages keep them whole.
+    frozen_units = getattr(engine.sharding, "frozen_units", [])
+    in_units = {id(p) for u in list(units) + list(frozen_units) for p in u.params}
+    frozen = sum(u.param_bytes() for u in frozen_units) + sum(
+        p.numel() * p.element_size() for p in engine.module.parameters() if id(p) not in in_units)
     precision = engine.precision
     elem = precision.param_dtype.itemsize if hasattr(precision.param_dtype, "itemsize") else 4
     master = precision.master_dtype.itemsize if precision.mixed else 0

@@ -15,7 +15,9 @@ from tests.dist.common import make_model, make_optimizer, micro_batch
 def one_step(stage: int, precision: str = "fp32", bucket: int = 300) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}}
+    cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                 # stage 3: shard every parameter (none kept whole), one unit per Linear
+                                 "stage3_param_persistence_threshold": 0, "stage3_unit_min_params": 1}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine = zerodp.initialize(model, make_optimizer("adamw", model), cfg)
@@ -25,7 +27,9 @@ def one_step(stage: int, precision: str = "fp32", bucket: int = 300) -> dict:
         grad_bytes_after_backward = sum(u.grad_bytes() for u in engine.units)
         engine.step()
     padded = sum(u.layout.padded_numel for u in engine.units)
+    frozen_numel = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     return {
+        "frozen_numel": frozen_numel,
         "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "padded": padded,
         "elem": 2 if precision == "bf16" else 4,
@@ -79,3 +83,16 @@ def test_memory_report_matches_formula(dist_run, world, stage, precision):
                     2: e * psi + (e + k) * psi / n}[stage]
         total = sum(rep[f"{kind}_bytes_predicted"] for kind in ("params", "grads", "optimizer"))
         assert total == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [3])
+def test_frozen_parameters_cost_no_gradient_or_optimizer_memory(dist_run, world, stage):
+    for r in dist_run(world, one_step, stage):
+        rep = r["report"]
+        assert r["frozen_numel"] > 0 and rep["numel"] == r["psi"]  # Ψ counts trainable elements only
+        expected = r["frozen_numel"] * r["elem"]
+        if stage == 3:  # sharded like every other parameter: 1/N of it, up to padding
+            assert expected / world <= rep["frozen_param_bytes"] <= expected / world + world * r["elem"] * 2
+        else:
+            assert rep["frozen_param_bytes"] == expected
