@@ -140,6 +140,8 @@ class ZeroConfig(StrictModel):
                                                 "know to be elementwise (you assert its update is per element).")
     steps_per_print: Optional[int] = Field(None, ge=1, description="Log loss scale, grad norm and step time "
                                            "every this many optimizer steps (rank 0).")
+    wall_clock_breakdown: bool = Field(False, description="Time forward, backward and optimizer step separately "
+                                       "(engine.timings) and log them with steps_per_print (every 10 if unset).")
 
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ the update equals one step on the global batch; the loss scale is divided out be
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Optional
@@ -51,6 +52,8 @@ class ZeroEngine:
         self.skipped_steps = 0
         self._backward_since_step = False
         self._last_step_time = time.perf_counter()
+        # Seconds spent in forward / backward / step since the last log (wall_clock_breakdown).
+        self.timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
 
         # Every name of every parameter: tied weights have several (e.g. wte.weight and lm_head.weight).
         self.param_names: dict[int, list[str]] = {}
@@ -80,7 +83,21 @@ class ZeroEngine:
         """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
         if self.precision.mixed:
             args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
-        return self.module(*args, **kwargs)
+        with self._timed("forward"):
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        if not self.config.wall_clock_breakdown:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # note: a sync point, only when timings were asked for
+            self.timings[phase] += time.perf_counter() - start
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -94,8 +111,9 @@ class ZeroEngine:
         boundary = self.is_accumulation_boundary
         self.sharding.start_micro_step(reduce=boundary or self.sharding.reduces_every_micro_step)
         scale = self.scaler.scale / self.gradient_accumulation_steps
-        (loss * scale if scale != 1.0 else loss).backward()
-        self._received = self.sharding.flush(boundary)
+        with self._timed("backward"):
+            (loss * scale if scale != 1.0 else loss).backward()
+            self._received = self.sharding.flush(boundary)
         self._backward_since_step = True
 
     def step(self) -> None:
@@ -107,20 +125,28 @@ class ZeroEngine:
         self._backward_since_step = False
         if not boundary:
             return
-        stepped = self.optimizer.step(self._received)
+        with self._timed("step"):
+            stepped = self.optimizer.step(self._received)
+            for unit in self.units:
+                unit.zero_grad()
         self.skipped_steps += 0 if stepped else 1
-        for unit in self.units:
-            unit.zero_grad()
         self.global_step += 1
         self._maybe_log()
 
     def _maybe_log(self) -> None:
-        every = self.config.steps_per_print
-        if every and self.global_step % every == 0 and self.rank == 0:
-            now = time.perf_counter()
-            log.info("zerodp step %d: loss_scale=%g grad_norm=%s skipped=%d (%.3fs/step)", self.global_step,
-                     self.loss_scale, self.grad_norm, self.skipped_steps, (now - self._last_step_time) / every)
-            self._last_step_time = now
+        every = self.config.steps_per_print or (10 if self.config.wall_clock_breakdown else None)
+        if not every or self.global_step % every:
+            return
+        now = time.perf_counter()
+        if self.rank == 0:
+            breakdown = ""
+            if self.config.wall_clock_breakdown:
+                breakdown = " " + " ".join(f"{k}={v / every:.3f}s" for k, v in self.timings.items())
+            log.info("zerodp step %d: loss_scale=%g grad_norm=%s skipped=%d (%.3fs/step)%s", self.global_step,
+                     self.loss_scale, self.grad_norm, self.skipped_steps, (now - self._last_step_time) / every,
+                     breakdown)
+        self._last_step_time = now
+        self.timings = dict.fromkeys(self.timings, 0.0)
 
     # -- read-only figures -----------------------------------------------------------------------
 

@@ -122,3 +122,13 @@ def test_reference_lists_every_key():
     for key in ("zero_optimization.stage", "fp16.initial_scale_power", "zero_optimization.reduce_bucket_size",
                 "gradient_clipping", "bf16.enabled"):
         assert f"`{key}`" in text
+
+
+def test_the_config_used_to_benchmark_deepspeed_loads_unchanged():
+    """shared/research/baselines.md ran DeepSpeed with this exact JSON (stage 3 shown)."""
+    cfg = load_config({
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08,
+                                                  "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": 3}, "steps_per_print": 1000000, "wall_clock_breakdown": False})
+    assert cfg.stage == 3 and cfg.steps_per_print == 1000000 and not cfg.wall_clock_breakdown

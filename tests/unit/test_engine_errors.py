@@ -75,3 +75,17 @@ def test_callable_optimizer_and_read_only_figures():
     assert engine.grad_norm is not None and engine.grad_norm > 0
     with pytest.raises(AttributeError):
         engine.grad_norm = 1.0
+
+
+def test_wall_clock_breakdown_times_each_phase(caplog):
+    model = make_model()
+    engine = zerodp.initialize(model, make_optimizer("sgd", model),
+                               {"wall_clock_breakdown": True, "steps_per_print": 2})
+    with caplog.at_level("INFO", logger="zerodp"):
+        for _ in range(2):
+            engine.backward(F.mse_loss(engine(torch.randn(2, 12)), torch.randn(2, 5)))
+            if engine.global_step == 0 and engine.micro_step == 0:
+                assert engine.timings["forward"] > 0 and engine.timings["backward"] > 0
+            engine.step()
+    assert "forward=" in caplog.text and "backward=" in caplog.text and "step=" in caplog.text
+    assert engine.timings == {"forward": 0.0, "backward": 0.0, "step": 0.0}  # reset after each log
