@@ -3,7 +3,6 @@
 per rank equal to the formula (params, grads, optimizer) within 1% plus padding."""
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 

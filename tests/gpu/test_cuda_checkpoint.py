@@ -4,12 +4,9 @@ consolidates on the CPU; optimizer state lands on the device torch expects, CUDA
 Skipped where no GPU exists; run on a lent GPU machine with `pytest -m gpu tests/gpu`.
 """
 
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
@@ -19,13 +16,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.fixture(scope="module")
-def nccl_group():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
-        torch.cuda.set_device(0)
-        yield
-        dist.destroy_process_group()
 
 
 def train(engine, first: int, steps: int) -> list[float]:

@@ -5,12 +5,9 @@ enough: NCCL runs with a single rank, which still exercises every collective cal
 placement of zerodp's own tensors.
 """
 
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
@@ -20,13 +17,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.fixture(scope="module")
-def nccl_group():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
-        torch.cuda.set_device(0)
-        yield
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

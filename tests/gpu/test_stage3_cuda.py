@@ -7,12 +7,9 @@ One GPU is enough: NCCL with a single rank still issues every collective on the 
 
 from __future__ import annotations
 
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerodp
 from zerodp.examples.gpt import GPT, GPTConfig, lm_loss
@@ -20,13 +17,6 @@ from zerodp.examples.gpt import GPT, GPTConfig, lm_loss
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.fixture(scope="module")
-def nccl_group():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
-        torch.cuda.set_device(0)
-        yield
-        dist.destroy_process_group()
 
 
 def gpt() -> GPT:
