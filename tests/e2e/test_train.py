@@ -1,0 +1,83 @@
+"""`zerodp train` end to end: real ranks, a few steps of the tiny GPT, then a resume; and under torchrun.
+
+The first run takes the default stage (3), the resume switches to stage 2 (a checkpoint reshards to
+any stage), and the torchrun case uses stage 1, so each way of sharding runs through the real job.
+
+Each case starts real processes through the real entry points (a fresh interpreter importing torch per
+rank is most of the cost), so the cases are few and the runs short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--model", "tiny", "--micro-batch", "4", "--seq-len", "32", "--log-every", "4"]
+
+
+def zerodp(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def metric_steps(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(240)
+def test_train_then_resume(tmp_path):
+    out = tmp_path / "run"
+    proc = zerodp("train", *TINY, "--nproc", "2", "--steps", "8", "--out", str(out))
+    rows = metric_steps(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, [r["loss"] for r in rows]
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header == ["step", "loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "rss_bytes"]
+    assert "zerodp train summary: stage 3, 2 rank(s)" in proc.stdout  # the default stage
+    assert "step     8/8" in proc.stdout and "sample (top-" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    for r in summary["ranks"]:  # fp32 Adam over 2 ranks: gradients and optimizer states are halved
+        assert r["grads_bytes"] == pytest.approx(r["grads_bytes_predicted"], rel=0.01)
+        assert r["optimizer_bytes"] == pytest.approx(r["optimizer_bytes_predicted"], rel=0.01)
+        assert r["optimizer_bytes"] == pytest.approx(4 * r["numel"], rel=0.01)  # 2 states x 4 B x Psi / 2
+        # parameters: Psi/2 each, plus the units small enough to stay whole on every rank
+        expected = 4 * r["numel"] / 2 + r["persistent_param_bytes"] / 2
+        assert r["params_bytes"] == pytest.approx(expected, rel=0.01)
+    assert summary["run"]["val_loss"] is not None and summary["run"]["tokens_per_s"] > 0
+    try:
+        import matplotlib  # noqa: F401  (the [plot] extra)
+        assert (out / "loss.png").stat().st_size > 0
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stdout
+    checkpoint = summary["run"]["checkpoint"]
+    if checkpoint is None:
+        pytest.skip(f"no checkpoint to resume from: {summary['run']['checkpoint_note']}")
+    assert os.path.isdir(checkpoint)
+
+    # Resume: the settings come from run.json, the step counter continues, metrics are appended.
+    proc = zerodp("train", "--resume", str(out), "--steps", "12", "--stage", "2")
+    assert "resumed at step 8" in proc.stdout and "zerodp train summary: stage 2, 2 rank(s)" in proc.stdout
+    rows = metric_steps(out)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert json.loads((out / "summary.json").read_text())["run"]["first_step"] == 9
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.timeout(180)
+def test_runs_under_torchrun_without_launching_again(tmp_path):
+    out = tmp_path / "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "zerodp.train", *TINY, "--stage", "1", "--steps", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("zerodp train summary: stage 1, 2 rank(s)") == 1  # rank 0 only, one world of 2
+    assert [r["step"] for r in metric_steps(out)] == [1, 2, 3]
