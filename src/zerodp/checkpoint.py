@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from . import checkpoint_format as fmt
 from . import checkpoint_state as cs
@@ -70,7 +69,7 @@ def save_checkpoint(engine, save_dir, tag: Optional[str] = None, client_state: O
         raise CheckpointError(f"save_checkpoint was called in the middle of gradient accumulation (micro step "
                               f"{engine.micro_step}, {engine.gradient_accumulation_steps} per step); call it "
                               f"after the engine.step() that completes an optimizer step")
-    tags = _all_gather_object(tag, group)
+    tags = comm.all_gather_object(tag, group)
     if len(set(tags)) > 1:
         raise CheckpointError(f"ranks passed different checkpoint tags: {tags}; pass the same tag on every rank")
     tmp = save_dir / f"{fmt.TMP_PREFIX}{tag}"
@@ -81,7 +80,7 @@ def save_checkpoint(engine, save_dir, tag: Optional[str] = None, client_state: O
         written = _write_rank_files(engine, tmp, client_state)
     except Exception as err:  # reported to every rank below, so no rank waits for a dead one
         error = err
-    outcomes = _all_gather_object((written, None if error is None else f"{type(error).__name__}: {error}"),
+    outcomes = comm.all_gather_object((written, None if error is None else f"{type(error).__name__}: {error}"),
                                   group)
     failed = [(r, msg) for r, (_, msg) in enumerate(outcomes) if msg is not None]
     if failed:
@@ -192,7 +191,7 @@ def load_checkpoint(engine, load_dir, tag: Optional[str] = None) -> dict:
         plan = _prepare_load(engine, load_dir, tag)
     except Exception as err:  # agreed on below: either every rank applies, or none does
         error = err
-    messages = _all_gather_object(None if error is None else _message(error), engine.process_group)
+    messages = comm.all_gather_object(None if error is None else _message(error), engine.process_group)
     if error is not None:
         raise error if isinstance(error, CheckpointError) else CheckpointError(_message(error)) from error
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
@@ -277,16 +276,6 @@ def _apply_load(engine, plan: _LoadPlan) -> None:
 # -- small collectives -------------------------------------------------------------------------------
 
 
-def _all_gather_object(obj, group) -> list:
-    """Every rank's `obj`, in rank order (the object itself when there is no process group)."""
-    world = comm.get_world_size(group)
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj, group=group)  # note: a sync point
-    return out
-
-
 def _run_on_rank0(engine, what: str, fn) -> None:
     """Run `fn` on rank 0 and raise its failure on every rank (no rank proceeds alone)."""
     error = None
@@ -295,6 +284,6 @@ def _run_on_rank0(engine, what: str, fn) -> None:
             fn()
         except Exception as err:
             error = err
-    messages = _all_gather_object(None if error is None else _message(error), engine.process_group)
+    messages = comm.all_gather_object(None if error is None else _message(error), engine.process_group)
     if messages[0] is not None:
         raise CheckpointError(f"rank 0 could not {what}: {messages[0]}") from error

@@ -23,6 +23,10 @@ import torch.distributed as dist
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
+# torch 2.13 renamed the tensor-form collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -179,8 +183,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
 
         work = dist.all_reduce(input, group=group, async_op=async_op)
         return _finish(work, keep_slice, async_op)
-    _log("reduce_scatter", "reduce_scatter_tensor", input, tag)
-    return _finish(dist.reduce_scatter_tensor(output, input, group=group, async_op=async_op), None, async_op)
+    _log("reduce_scatter", "reduce_scatter_single", input, tag)
+    return _finish(_reduce_scatter_single(output, input, group=group, async_op=async_op), None, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
@@ -192,7 +196,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
     world = get_world_size(group)
     if output.numel() != input.numel() * world:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected {world} x {input.numel()}")
-    _log("all_gather", "all_gather_into_tensor", output, tag)
+    _log("all_gather", "all_gather_single", output, tag)
     if world == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
@@ -200,7 +204,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
     if backend_name(group) != "nccl" and _overlaps(output, input):
         # NCCL documents the in-place form; for other backends send a private copy to be safe.
         input = input.clone()
-    return _finish(dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), None, async_op)
+    return _finish(_all_gather_single(output, input, group=group, async_op=async_op), None, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *, tag: str = "") -> None:
@@ -210,6 +214,16 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *,
         return
     global_src = dist.get_global_rank(group, src) if group is not None else src
     dist.broadcast(tensor, src=global_src, group=group)
+
+
+def all_gather_object(obj, group: ProcessGroup = None) -> list:
+    """Every rank's picklable `obj`, in rank order (`[obj]` with no process group)."""
+    world = get_world_size(group)
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)  # note: a sync point
+    return out
 
 
 def all_reduce_max_flag(flag: bool, group: ProcessGroup = None, *, tag: str = "") -> bool:

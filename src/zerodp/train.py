@@ -26,7 +26,6 @@ import resource
 import sys
 import time
 import uuid
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -272,16 +271,6 @@ def _save_checkpoint(engine, args: TrainArgs, step: int) -> tuple[Optional[str],
     return str(path), ""
 
 
-def _gather_objects(obj) -> list:
-    if comm.get_world_size() == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * comm.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _banner(engine, args: TrainArgs, world: int, numel: int, base_lr: float) -> str:
     tokens = world * engine.micro_batch_size * engine.gradient_accumulation_steps * args.seq_len
     return (f"zerodp train: stage {engine.stage}, {world} rank(s) x {torch.get_num_threads()} thread(s), "
@@ -302,8 +291,6 @@ def _run_worker(args: TrainArgs) -> dict:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    # torch 2.13 deprecates the name comm.py calls; the warning says nothing about this job.
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
     wall_start = time.perf_counter()
     comm.init_distributed()
     rank, world = comm.get_rank(), comm.get_world_size()
@@ -390,7 +377,7 @@ def _finish(engine, corpus: ByteCorpus, args: TrainArgs, history: list[dict], nu
     sample = sample_text(engine, args)
     report["peak_rss_bytes"] = _peak_rss_bytes()
     report["peak_cuda_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    ranks = _gather_objects(report)
+    ranks = comm.all_gather_object(report)
     if rank != 0:
         return {}
     all_rows = read_metrics(out)  # the whole run, steps before a resume included
