@@ -128,8 +128,7 @@ def _build_meta(engine, tag: str, written: list[dict]) -> dict:
         segs.sort(key=lambda s: s[1])
         numel = int(torch.Size(tensors[name]["shape"]).numel())
         list(fmt.overlapping(segs, 0, numel))  # every element saved exactly once, or an error now
-    masters = cs.group_of_master(engine)
-    groups = {str(masters[id(g["params"][0])]): cs.encode_hyper(g) for g in engine.optimizer.param_groups}
+    groups = {str(user): cs.encode_hyper(g) for user, g in cs.inner_groups(engine)}
     cls, larc = cs.optimizer_class(engine)
     from . import __version__
 
@@ -248,14 +247,11 @@ def _apply_load(engine, plan: _LoadPlan) -> None:
             unit.param_shard.copy_(values)
             continue
         master.copy_(values)
-        optimizer.optimizer.state.pop(master, None)
-        if state:
-            optimizer.optimizer.state[master] = state
+        optimizer.load_state_of(cs.master_index(engine, master), state)
         if unit.param_shard.data_ptr() != master.data_ptr():
             unit.param_shard.copy_(master)  # mixed precision: the model's shard, downcast
-    groups = cs.group_of_master(engine)
-    for group in optimizer.param_groups:
-        saved = meta["optimizer"]["groups"].get(str(groups[id(group["params"][0])]), {})
+    for user, group in cs.inner_groups(engine):
+        saved = meta["optimizer"]["groups"].get(str(user), {})
         group.update({k: cs.decode_hyper(v) for k, v in saved.items() if k in group})
     live = engine.module.state_dict(keep_vars=True)
     for key, value in plan.module_states.items():

@@ -80,9 +80,14 @@ def optimizer_class(engine) -> tuple[str, Optional[dict]]:
     return f"{type(inner).__module__}.{type(inner).__qualname__}", settings
 
 
-def group_of_master(engine) -> dict[int, int]:
-    """id(master) -> the optimizer param group index (as the user numbered the groups) of its unit."""
-    return {id(m): u.group_index for u, m in zip(engine.units, engine.optimizer.masters)}
+def inner_groups(engine) -> list[tuple[int, dict]]:
+    """(user's group index, inner optimizer group) for each group zerodp's optimizer steps."""
+    return list(zip(engine.optimizer.group_indices, engine.optimizer.param_groups))
+
+
+def master_index(engine, master: torch.Tensor) -> int:
+    """Position of `master` among the optimizer's flat masters (one per trainable unit)."""
+    return next(i for i, m in enumerate(engine.optimizer.masters) if m is master)
 
 
 # -- saving: this rank's slices, scalars, RNG ----------------------------------------------------
@@ -92,13 +97,12 @@ def shard_payload(engine):
     """This rank's slices of every sharded unit, one entry per parameter segment (views, no copies):
     the fp32 master and elementwise optimizer state of trainable units, the values of frozen ones."""
     names = canonical_names(engine)
-    state = engine.optimizer.optimizer.state
     tensors: dict[str, torch.Tensor] = {}
     segments, units = [], []
     for unit, master in sharded_units(engine):
         if unit.layout.num_shards == 1 and engine.rank != 0:
             continue  # replicated on every rank (stage 0): rank 0's copy is enough
-        st = state.get(master, {}) if master is not None else {}
+        st = engine.optimizer.state_of(master_index(engine, master)) if master is not None else {}
         sources = {fmt.MASTER: master} if master is not None else {fmt.FROZEN: unit.param_shard}
         elementwise = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == master.shape}
         sources.update(sorted(elementwise.items()))
@@ -136,8 +140,9 @@ def decode_scalar(entry: dict, device: torch.device):
 def scalar_state_device(engine, master: torch.Tensor) -> torch.device:
     """Where torch keeps a scalar state tensor such as `step`: on the parameter's device for
     capturable or fused optimizers, on the CPU otherwise (torch's own load_state_dict rule)."""
+    first_chunk = engine.optimizer.chunks[master_index(engine, master)][0]
     for group in engine.optimizer.param_groups:
-        if any(p is master for p in group["params"]):
+        if any(p is first_chunk for p in group["params"]):
             return master.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
     return torch.device("cpu")
 

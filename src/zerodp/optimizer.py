@@ -6,6 +6,15 @@ optimizer keeps one fp32 master tensor per unit shard and steps the user's optim
 those masters with the same per-group settings. With fp32 training the master *is* the parameter
 shard (no copy: 4 bytes per element saved); with bf16/fp16 it is a separate fp32 copy.
 
+[Note: optimizer chunks] The inner optimizer does not see one tensor per unit but consecutive views
+of at most OPTIMIZER_CHUNK_NUMEL elements. The update is elementwise, so this is exact, and it is
+much faster on CPU: torch's optimizers make several temporaries the size of each tensor, and a
+temporary of a whole 100 MB shard is a fresh mmap that page-faults on every step and streams
+through the caches once per operation, while a 1 MiB chunk stays in L2 (AdamW on 33.7M elements,
+one thread: 0.19 s as one tensor, 0.094 s per parameter, 0.056 s in 1 MiB chunks). Everything
+outside this class sees one flat master per unit: `state_of` / `load_state_of` present and accept
+the optimizer state in those terms.
+
 One step, in order (every rank runs the same collectives):
   1. fp16: any inf/nan in any rank's gradient shard skips the step on every rank (one flag all-reduce).
   2. unscale; global gradient norm = sqrt(sum over ranks of local squares): the unsharded model's norm.
@@ -24,9 +33,13 @@ import torch
 
 from . import comm
 from .optim.build import rebuild
-from .optim.shard_norms import maybe_bind, segments_from_layout
+from .optim.shard_norms import maybe_bind, segments_from_layout, split_segments
 from .partition import FlatLayout
 from .precision import LossScaler, PrecisionPolicy
+
+
+# 1 MiB of fp32: fits L2 with room to spare, large enough that per-tensor overhead is negligible.
+OPTIMIZER_CHUNK_NUMEL = 1 << 18
 
 
 class ShardedUnit(Protocol):
@@ -61,9 +74,12 @@ class ShardedOptimizer:
                 self.masters.append(unit.param_shard.detach().to(precision.master_dtype).clone())
             else:
                 self.masters.append(unit.param_shard)  # alias: updating the master updates the model
+        self.chunks = [list(master.split(OPTIMIZER_CHUNK_NUMEL)) for master in self.masters]
         groups = [dict(settings, params=[]) for settings in group_settings]
-        for unit, master in zip(units, self.masters):
-            groups[unit.group_index]["params"].append(master)
+        for unit, chunks in zip(units, self.chunks):
+            groups[unit.group_index]["params"].extend(chunks)
+        # the user's group index of each inner group (groups without trainable parameters are dropped)
+        self.group_indices = [i for i, g in enumerate(groups) if g["params"]]
         self.optimizer = rebuild(user_optimizer, [g for g in groups if g["params"]])
         self._bind_shard_layout()
         self.last_grad_norm: Optional[float] = None
@@ -71,11 +87,47 @@ class ShardedOptimizer:
 
     def _bind_shard_layout(self) -> None:
         segments, slot = {}, 0
-        for unit, master in zip(self.units, self.masters):
+        for unit, chunks in zip(self.units, self.chunks):
             slots = list(range(slot, slot + len(unit.layout.shapes)))
-            segments[master] = segments_from_layout(slots, unit.layout.segments(unit.shard_index))
+            whole = segments_from_layout(slots, unit.layout.segments(unit.shard_index))
+            for chunk, part in zip(chunks, split_segments(whole, [c.numel() for c in chunks])):
+                segments[chunk] = part
             slot += len(slots)
         maybe_bind(self.optimizer, segments, slot, self.process_group, self.sharded)
+
+    def _chunk_ranges(self, index: int, lo: int, hi: int):
+        """(chunk, chunk slice, master slice) for the chunks of master `index` overlapping [lo, hi)."""
+        start = 0
+        for chunk in self.chunks[index]:
+            end = start + chunk.numel()
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                yield chunk, slice(a - start, b - start), slice(a, b)
+            start = end
+
+    def state_of(self, index: int) -> dict:
+        """Master `index`'s optimizer state: elementwise tensors shaped like the master (copies), and
+        scalars (e.g. Adam's `step`). Empty before the first step."""
+        states = [self.optimizer.state.get(c, {}) for c in self.chunks[index]]
+        if not states[0]:
+            return {}
+        out = {}
+        for key, value in states[0].items():
+            if torch.is_tensor(value) and value.shape == self.chunks[index][0].shape:
+                out[key] = torch.cat([st[key].reshape(-1) for st in states])
+            else:
+                out[key] = value.clone() if torch.is_tensor(value) else value
+        return out
+
+    def load_state_of(self, index: int, state: dict) -> None:
+        """Replace master `index`'s optimizer state with `state` (the form `state_of` returns)."""
+        master = self.masters[index]
+        for chunk, chunk_sl, master_sl in self._chunk_ranges(index, 0, master.numel()):
+            self.optimizer.state.pop(chunk, None)
+            if state:
+                self.optimizer.state[chunk] = {
+                    k: (v[master_sl].clone() if torch.is_tensor(v) and v.shape == master.shape
+                        else v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
 
     @property
     def param_groups(self) -> list[dict]:
@@ -122,13 +174,15 @@ class ShardedOptimizer:
             if coef < 1.0:
                 for g in grads:
                     g.mul_(coef)
-        for master, g in zip(self.masters, grads):
-            master.grad = g
+        for chunks, g in zip(self.chunks, grads):
+            for chunk, g_chunk in zip(chunks, g.split(OPTIMIZER_CHUNK_NUMEL)):
+                chunk.grad = g_chunk
         restore = self._snapshot_untouched(received)
         self.optimizer.step()
         self._restore_untouched(restore)
-        for master in self.masters:
-            master.grad = None
+        for chunks in self.chunks:
+            for chunk in chunks:
+                chunk.grad = None
         if self.precision.mixed:
             for unit, master in zip(self.units, self.masters):
                 unit.param_shard.copy_(master)
@@ -145,30 +199,29 @@ class ShardedOptimizer:
         if received is None or bool(received.all()):
             return []
         saved, offset = [], 0
-        for unit, master in zip(self.units, self.masters):
+        for index, unit in enumerate(self.units):
             n = len(unit.layout.shapes)
             flags = received[offset:offset + n]
             offset += n
             if bool(flags.all()):
                 continue
-            state = self.optimizer.state.get(master, {})
             for seg in unit.layout.segments(unit.shard_index):
                 if flags[seg.param_index]:
                     continue
-                sl = slice(seg.shard_start, seg.shard_start + seg.numel)
-                tensors = {k: v[sl].clone() for k, v in state.items()
-                           if torch.is_tensor(v) and v.shape == master.shape}
-                saved.append((master, sl, master[sl].clone(), tensors))
+                for chunk, csl, _ in self._chunk_ranges(index, seg.shard_start, seg.shard_start + seg.numel):
+                    state = self.optimizer.state.get(chunk, {})
+                    tensors = {k: v[csl].clone() for k, v in state.items()
+                               if torch.is_tensor(v) and v.shape == chunk.shape}
+                    saved.append((chunk, csl, chunk[csl].clone(), tensors))
         return saved
 
     def _restore_untouched(self, saved) -> None:
-        for master, sl, value, tensors in saved:
-            master[sl].copy_(value)
-            state = self.optimizer.state.get(master, {})
-            for k, v in state.items():
-                if torch.is_tensor(v) and v.shape == master.shape:
+        for chunk, csl, value, tensors in saved:
+            chunk[csl].copy_(value)
+            for k, v in self.optimizer.state.get(chunk, {}).items():
+                if torch.is_tensor(v) and v.shape == chunk.shape:
                     # state created by this very step starts from zero for untouched parameters
-                    v[sl].copy_(tensors[k]) if k in tensors else v[sl].zero_()
+                    v[csl].copy_(tensors[k]) if k in tensors else v[csl].zero_()
 
     # -- accounting ----------------------------------------------------------------------------
 

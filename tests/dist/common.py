@@ -3,6 +3,8 @@ reference that every zerodp run is compared against (one process, the global bat
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -147,3 +149,22 @@ def reference_mixed_run(dtype: torch.dtype, opt_name: str, steps: int, rows: int
                 p.copy_(m)
         losses.append(loss.item())
     return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def optimizer_chunks(numel: int):
+    """Make the sharded optimizer step chunks of `numel` elements (real models use 1 MiB chunks,
+    more than these test models hold), so that chunks cut across parameters and shards."""
+    import zerodp.optimizer as zopt
+
+    saved, zopt.OPTIMIZER_CHUNK_NUMEL = zopt.OPTIMIZER_CHUNK_NUMEL, numel
+    try:
+        yield
+    finally:
+        zopt.OPTIMIZER_CHUNK_NUMEL = saved
+
+
+def zerodp_run_chunked(chunk_numel: int, *args) -> tuple[list[float], dict]:
+    """`zerodp_run` with the optimizer stepping chunks of `chunk_numel` elements."""
+    with optimizer_chunks(chunk_numel):
+        return zerodp_run(*args)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import zerodp
-from tests.dist.common import make_model, make_optimizer, micro_batch, reference_run
+from tests.dist.common import make_model, make_optimizer, micro_batch, optimizer_chunks, reference_run
 from zerodp import checkpoint_format as fmt
 from zerodp.checkpoint import consolidate_main
 from zerodp.examples.gpt import GPT, GPTConfig, lm_loss
@@ -75,6 +75,12 @@ def live_state(model, stage: int) -> dict:
 # -- exact resume --------------------------------------------------------------------------------
 
 
+def exact_resume_chunked(ckpt_dir: str, stage: int, opt_name: str, precision: str) -> dict:
+    """`exact_resume` with the optimizer stepping 7-element chunks (state spans several chunks)."""
+    with optimizer_chunks(7):
+        return exact_resume(ckpt_dir, stage, opt_name, precision)
+
+
 def exact_resume(ckpt_dir: str, stage: int, opt_name: str, precision: str) -> dict:
     world = dist.get_world_size()
     model = make_model()
@@ -102,7 +108,16 @@ EXACT_CASES = [(0, "adamw", "fp32"), (1, "adamw", "fp32"), (2, "adamw", "fp32"),
 @pytest.mark.parametrize("stage,opt_name,precision", EXACT_CASES)
 @pytest.mark.parametrize("world", [2, 3])
 def test_exact_resume_is_bit_identical(dist_run, tmp_path, world, stage, opt_name, precision):
-    results = dist_run(world, exact_resume, str(tmp_path), stage, opt_name, precision)
+    assert_exact_resume(dist_run(world, exact_resume, str(tmp_path), stage, opt_name, precision), tmp_path)
+
+
+@pytest.mark.parametrize("stage,opt_name", [(1, "larc"), (2, "adamw"), (2, "lamb"), (3, "adamw")])
+@pytest.mark.parametrize("world", [3])
+def test_exact_resume_with_optimizer_state_in_many_chunks(dist_run, tmp_path, world, stage, opt_name):
+    assert_exact_resume(dist_run(world, exact_resume_chunked, str(tmp_path), stage, opt_name, "fp32"), tmp_path)
+
+
+def assert_exact_resume(results, tmp_path) -> None:
     for rank, r in enumerate(results):
         assert r["path"] == str(tmp_path / "global_step3")
         assert r["client"] == {"epoch": 7}
@@ -117,7 +132,10 @@ def test_exact_resume_is_bit_identical(dist_run, tmp_path, world, stage, opt_nam
 FIRST, SECOND = 3, 3
 
 
-def reshard_save(ckpt_dir: str, stage: int) -> list[float]:
+def reshard_save(ckpt_dir: str, stage: int, chunk_numel: int = 0) -> list[float]:
+    if chunk_numel:
+        with optimizer_chunks(chunk_numel):
+            return reshard_save(ckpt_dir, stage)
     model = make_model()
     engine = zerodp.initialize(model, make_optimizer("adamw", model), config(stage, dist.get_world_size()))
     losses = train(engine, 0, FIRST, noise=False)
@@ -125,7 +143,10 @@ def reshard_save(ckpt_dir: str, stage: int) -> list[float]:
     return losses
 
 
-def reshard_load(ckpt_dir: str, stage: int) -> tuple[list[float], dict, int]:
+def reshard_load(ckpt_dir: str, stage: int, chunk_numel: int = 0) -> tuple[list[float], dict, int]:
+    if chunk_numel:
+        with optimizer_chunks(chunk_numel):
+            return reshard_load(ckpt_dir, stage)
     model = make_model(seed=3)
     engine = zerodp.initialize(model, make_optimizer("adamw", model), config(stage, dist.get_world_size()))
     engine.load_checkpoint(ckpt_dir)
@@ -133,18 +154,19 @@ def reshard_load(ckpt_dir: str, stage: int) -> tuple[list[float], dict, int]:
     return train(engine, FIRST, SECOND, noise=False), params_of(engine), step
 
 
-RESHARD_CASES = [(2, 2, 3, 2), (3, 2, 2, 2), (2, 1, 3, 0), (3, 0, 2, 1),
-                 (2, 2, 3, 3), (3, 3, 2, 2)]
+# (src world, src stage, dst world, dst stage, optimizer chunk elements when saving, when loading; 0: default)
+RESHARD_CASES = [(2, 2, 3, 2, 0, 0), (3, 2, 2, 2, 0, 0), (2, 1, 3, 0, 0, 0), (3, 0, 2, 1, 0, 0),
+                 (2, 2, 3, 3, 0, 0), (3, 3, 2, 2, 0, 0), (2, 2, 3, 2, 7, 5)]
 
 
-@pytest.mark.parametrize("src_world,src_stage,dst_world,dst_stage", RESHARD_CASES)
+@pytest.mark.parametrize("src_world,src_stage,dst_world,dst_stage,save_chunk,load_chunk", RESHARD_CASES)
 def test_resume_at_another_world_size_and_stage_keeps_the_trajectory(dist_run, tmp_path, src_world, src_stage,
-                                                                      dst_world, dst_stage):
+                                                                      dst_world, dst_stage, save_chunk, load_chunk):
     """The optimizer state survives resharding: the resumed run follows the uninterrupted trajectory
     (plain PyTorch on the same global batch) within the fp32 parity tolerance. Losing Adam's moments
     or its step count would move the first resumed update by ~lr, far outside it."""
-    first = dist_run(src_world, reshard_save, str(tmp_path), src_stage)[0]
-    results = dist_run(dst_world, reshard_load, str(tmp_path), dst_stage)
+    first = dist_run(src_world, reshard_save, str(tmp_path), src_stage, save_chunk)[0]
+    results = dist_run(dst_world, reshard_load, str(tmp_path), dst_stage, load_chunk)
     ref_losses, ref_params = reference_run("adamw", FIRST + SECOND, GLOBAL_ROWS, CLIP)
     for rank, (second, params, step) in enumerate(results):
         assert step == FIRST

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.dist.common import make_model, reference_run, zerodp_run
+from tests.dist.common import make_model, reference_run, zerodp_run, zerodp_run_chunked
 
 STEPS, MICRO_BS, GAS, CLIP = 6, 2, 2, 0.5
 
@@ -66,3 +66,13 @@ def knobs_run(stage: int) -> bool:
 @pytest.mark.parametrize("world", [2])
 def test_communication_settings_do_not_change_results(dist_run, world, stage):
     assert dist_run(world, knobs_run, stage) == [True] * world
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw", "larc", "lamb"])
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("world", [3])
+def test_parity_with_optimizer_chunks_across_parameters(dist_run, world, stage, opt_name):
+    """Chunks of 7 elements cut through parameters and shard boundaries: per-parameter norms (LARC,
+    LAMB), untouched-parameter restore and clipping must still see whole parameters."""
+    results = dist_run(world, zerodp_run_chunked, 7, config(stage), opt_name, STEPS, MICRO_BS)
+    assert_parity(results, opt_name, world)

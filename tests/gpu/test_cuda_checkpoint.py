@@ -46,7 +46,7 @@ def test_cuda_checkpoint_round_trip(nccl_group, tmp_path, stage):
     resumed.load_checkpoint(tmp_path)
     loaded = resumed.full_state_dict()
     assert all(v.device.type == "cpu" and torch.equal(loaded[k], v) for k, v in saved.items())
-    state = resumed.optimizer.optimizer.state[resumed.optimizer.masters[0]]
+    state = resumed.optimizer.state_of(0)
     assert state["exp_avg"].is_cuda and state["step"].device.type == "cpu"  # torch's placement for AdamW
     # the same kernels on the same inputs: equal up to nondeterministic GPU reductions, if any
     torch.testing.assert_close(torch.tensor(train(resumed, 2, 2)), torch.tensor(uninterrupted), rtol=1e-6, atol=0)

@@ -93,7 +93,7 @@ def test_hyper_parameters_loss_scale_and_counters_are_restored(tmp_path):
     assert [g["lr"] for g in other.optimizer.param_groups] == [1e-2, 0.123]
     assert other.optimizer.param_groups[0]["betas"] == (0.9, 0.999)  # a tuple again
     assert (other.global_step, other.micro_step, other.skipped_steps) == (3, 3, 0)
-    state = other.optimizer.optimizer.state[other.optimizer.masters[0]]
+    state = other.optimizer.state_of(0)
     assert state["step"] == 3 and type(state["step"]) is int  # LAMB counts in a Python int
     for name, value in model.state_dict().items():  # fp16 model weights: the fp32 masters, rounded
         assert torch.equal(other.module.state_dict()[name], value), name
@@ -103,8 +103,8 @@ def state_by_name(model, engine, key="exp_avg_sq") -> dict:
     """Each parameter's slice of one optimizer state tensor (world 1: a master is its unit's whole buffer)."""
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
-    for unit, master in zip(engine.units, engine.optimizer.masters):
-        state = engine.optimizer.optimizer.state[master]
+    for index, unit in enumerate(engine.units):
+        state = engine.optimizer.state_of(index)
         assert float(state["step"]) == engine.global_step
         for p, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
             out[names[id(p)]] = state[key][offset:offset + numel]

@@ -53,6 +53,9 @@ class ShardNorms:
         for t, p in zip(tensors, params):
             seg = self._segments[id(p)]
             used = int(seg.lengths.sum())
+            if used == 0:  # a chunk of padding only
+                plans.append((seg, 0, t))
+                continue
             flat = t.reshape(-1).float()
             partial = torch.segment_reduce(flat[:used] * flat[:used], "sum", lengths=seg.lengths)
             squares.index_add_(0, seg.slots, partial)
@@ -63,7 +66,8 @@ class ShardNorms:
         out = []
         for seg, used, t in plans:
             per_elem = torch.zeros(t.numel(), dtype=t.dtype, device=t.device)
-            per_elem[:used] = norms[seg.slots].repeat_interleave(seg.lengths).to(t.dtype)
+            if used:
+                per_elem[:used] = norms[seg.slots].repeat_interleave(seg.lengths).to(t.dtype)
             out.append(per_elem.view_as(t))
         return out
 
@@ -73,6 +77,24 @@ def segments_from_layout(slot_of_param: Sequence[int], segments) -> TensorSegmen
     slots = torch.tensor([slot_of_param[s.param_index] for s in segments], dtype=torch.long)
     lengths = torch.tensor([s.numel for s in segments], dtype=torch.long)
     return TensorSegments(slots, lengths)
+
+
+def split_segments(segments: TensorSegments, lengths: list[int]) -> list[TensorSegments]:
+    """Cut a tensor's segments at the boundaries of consecutive pieces of the given lengths."""
+    out, pieces = [], list(zip(segments.slots.tolist(), segments.lengths.tolist()))
+    k, left = 0, pieces[0][1] if pieces else 0
+    for length in lengths:
+        slots, lens, need = [], [], length
+        while need and k < len(pieces):
+            take = min(need, left)
+            slots.append(pieces[k][0])
+            lens.append(take)
+            need, left = need - take, left - take
+            if left == 0:
+                k += 1
+                left = pieces[k][1] if k < len(pieces) else 0
+        out.append(TensorSegments(torch.tensor(slots, dtype=torch.long), torch.tensor(lens, dtype=torch.long)))
+    return out
 
 
 def maybe_bind(optimizer, segments: dict, num_slots: int, group: comm.ProcessGroup, sharded: bool) -> bool:
