@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import comm
 from .flat_buffer import FlatBuffer, alloc_storage, free_storage
-from .partition import FlatLayout, chunk_ranges
+from .partition import FlatLayout
 
 
 @dataclass(frozen=True)
@@ -262,9 +262,9 @@ class GradReducer:
         """All-gather every bucket's updated shards into the full parameters (stages 1-2)."""
         if not self.policy.shard_optimizer:
             return  # stage 0: every rank stepped the full parameters already
-        waits = [gather_bucket_params(b, self.allgather_numel) for b in self.buckets]
-        for wait in waits:
-            wait()
+        handles = [gather_bucket_params(b, self.allgather_numel) for b in self.buckets]
+        for handle in handles:
+            handle.wait()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -298,22 +298,10 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
     return buckets
 
 
-def gather_bucket_params(bucket: GradBucket, chunk_numel: int):
-    """Launch the all-gather of a bucket's updated shards; returns a function that waits for it.
+def gather_bucket_params(bucket: GradBucket, message_numel: int) -> comm.Handle:
+    """Launch the all-gather of a bucket's updated shards into its full parameter buffer.
 
-    Messages are at most `chunk_numel` elements (DeepSpeed's allgather_bucket_size): a larger
-    bucket is gathered in chunks through a staging buffer and copied into place.
+    Messages are at most `message_numel` elements (DeepSpeed's allgather_bucket_size).
     """
-    world, shard = bucket.world, bucket.layout.shard_numel
-    full = bucket.param_buffer.tensor
-    group = bucket.process_group
-    if shard * world <= chunk_numel:
-        handle = comm.all_gather(full, bucket.param_shard, group, async_op=True, tag="param")
-        return handle.wait
-    per_rank = max(1, chunk_numel // world)
-    staging = torch.empty(world * min(per_rank, shard), dtype=full.dtype, device=full.device)
-    for lo, hi in chunk_ranges(shard, per_rank):  # one chunk at a time: the staging buffer bounds memory
-        part = staging[:world * (hi - lo)]
-        comm.all_gather(part, bucket.param_shard[lo:hi], group, tag="param")
-        full.view(world, shard)[:, lo:hi].copy_(part.view(world, hi - lo))
-    return lambda: None
+    return comm.all_gather(bucket.param_buffer.tensor, bucket.param_shard, bucket.process_group, async_op=True,
+                           tag="param", max_message_numel=message_numel)

@@ -107,22 +107,3 @@ def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     if chunk_numel < 1:
         raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
     return [(s, min(s + chunk_numel, numel)) for s in range(0, numel, chunk_numel)]
-
-
-def group_by_budget(numels: Sequence[int], budget: int) -> list[list[int]]:
-    """Greedily group consecutive indices so each group's numel sum stays within `budget`.
-
-    An item larger than the budget gets a group of its own (it cannot be split here).
-    """
-    groups: list[list[int]] = []
-    current: list[int] = []
-    acc = 0
-    for i, n in enumerate(numels):
-        if current and acc + n > budget:
-            groups.append(current)
-            current, acc = [], 0
-        current.append(i)
-        acc += n
-    if current:
-        groups.append(current)
-    return groups

@@ -2,7 +2,7 @@
 
 import pytest
 
-from zerodp.partition import FlatLayout, chunk_ranges, group_by_budget
+from zerodp.partition import FlatLayout, chunk_ranges
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])
@@ -37,6 +37,5 @@ def test_empty_and_errors():
         FlatLayout.of([(2,)], 2).shard_range(2)
 
 
-def test_chunks_and_budget_groups():
+def test_chunk_ranges():
     assert chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert group_by_budget([3, 3, 3, 10, 1], 6) == [[0, 1], [2], [3], [4]]
