@@ -98,22 +98,32 @@ def reference_run(opt_name: str, steps: int, rows: int, clip: float) -> tuple[li
 
 def zerodp_run(config: dict, opt_name: str, steps: int, micro_bs: int) -> tuple[list[float], dict]:
     """Train with zerodp on this rank; returns the global-mean loss of each step and the final params."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     engine = zerodp.initialize(model, make_optimizer(opt_name, model), config)
+    losses = train_steps(engine, steps, micro_bs)
+    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def train_steps(engine, steps: int, micro_bs: int, first_step: int = 0, noise: bool = False) -> list[float]:
+    """Run optimizer steps [first_step, first_step + steps) on this rank's micro-batches; returns the
+    global-mean loss of each. With `noise`, inputs get noise from the global RNG (so an exact resume
+    also needs the RNG states restored)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     gas = engine.gradient_accumulation_steps
     losses = []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         total = torch.zeros(1)
         for micro in range(gas):
             x, y = micro_batch(step, micro, rank, world, micro_bs, gas)
+            if noise:
+                x = x + 0.1 * torch.randn_like(x)
             loss = F.mse_loss(engine(x).float(), y)
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (world * gas))
-    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return losses
 
 
 class _Params:

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import zerodp
-from tests.dist.common import make_model, make_optimizer, micro_batch, optimizer_chunks, reference_run
+from tests.dist.common import make_model, make_optimizer, optimizer_chunks, reference_run, train_steps
 from zerodp import checkpoint_format as fmt
 from zerodp.checkpoint import consolidate_main
 from zerodp.examples.gpt import GPT, GPTConfig, lm_loss
@@ -36,24 +35,7 @@ def config(stage: int, world: int, precision: str = "fp32") -> dict:
 
 
 def train(engine, first_step: int, steps: int, noise: bool) -> list[float]:
-    """Global-mean losses of `steps` optimizer steps. With `noise`, inputs get noise from the global
-    RNG, so an exact resume also needs the RNG states restored."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gas, micro_bs = engine.gradient_accumulation_steps, engine.micro_batch_size
-    losses = []
-    for step in range(first_step, first_step + steps):
-        total = torch.zeros(1)
-        for micro in range(gas):
-            x, y = micro_batch(step, micro, rank, world, micro_bs, gas)
-            if noise:
-                x = x + 0.1 * torch.randn_like(x)
-            loss = F.mse_loss(engine(x).float(), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / (world * gas))
-    return losses
+    return train_steps(engine, steps, engine.micro_batch_size, first_step, noise)
 
 
 def params_of(engine) -> dict:
