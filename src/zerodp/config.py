@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -95,11 +96,12 @@ class ZeroOptimizationConfig(StrictModel):
                                     "reduced as soon as all its gradients are ready.")
     allgather_bucket_size: int = Field(500_000_000, ge=1, description="Most elements one all-gather of updated "
                                        "parameters moves (stages 1-2); larger buckets are gathered in chunks.")
-    overlap_comm: bool = Field(True, description="Launch each bucket's reduction asynchronously during backward; "
-                               "false waits for each reduction before backward continues.")
+    overlap_comm: bool = Field(True, description="Launch each bucket's (stage 3: each unit's) reduction "
+                               "asynchronously during backward; false waits for each reduction before backward "
+                               "continues.")
     contiguous_gradients: bool = Field(True, description="Copy gradients into contiguous buckets as they are "
                                        "produced. zerodp always does; false is refused.")
-    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter (stages 1-2); false "
+    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter (stages 1-3); false "
                                  "uses all-reduce and keeps this rank's shard.")
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Stage 3: elements gathered ahead "
                                              "of the unit about to run.")
@@ -117,6 +119,12 @@ class ZeroOptimizationConfig(StrictModel):
         if not self.contiguous_gradients:
             raise ValueError("contiguous_gradients=false is not supported: zerodp always reduces contiguous "
                              "buckets (it costs no extra memory); remove the key or set it to true")
+        bucket_keys = sorted({"reduce_bucket_size", "allgather_bucket_size"} & self.model_fields_set)
+        if self.stage == 3 and bucket_keys:
+            # DeepSpeed configs often carry these; at stage 3 zerodp communicates per module unit instead
+            warnings.warn(f"zero_optimization.{' and '.join(bucket_keys)} has no effect at stage 3: parameters are "
+                          f"gathered and gradients reduced per module unit (see stage3_unit_modules, "
+                          f"stage3_unit_min_params, stage3_prefetch_bucket_size)", UserWarning, stacklevel=2)
         return self
 
 

@@ -101,7 +101,8 @@ def zerodp_run(config: dict, opt_name: str, steps: int, micro_bs: int) -> tuple[
     model = make_model()
     engine = zerodp.initialize(model, make_optimizer(opt_name, model), config)
     losses = train_steps(engine, steps, micro_bs)
-    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    with zerodp.gathered_parameters(model.parameters()):  # stage 3: full values; other stages: as they are
+        return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
 def train_steps(engine, steps: int, micro_bs: int, first_step: int = 0, noise: bool = False) -> list[float]:

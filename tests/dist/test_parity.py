@@ -43,12 +43,15 @@ def test_parity_fp32(dist_run, world, stage, opt_name):
 def knobs_run(stage: int) -> bool:
     """The communication settings change how gradients travel, never the result: bit-identical."""
     base = config(stage)
-    variants = [
-        {"overlap_comm": False},
-        {"reduce_scatter": False},
-        {"reduce_bucket_size": 10**9, "allgather_bucket_size": 10**9},  # one bucket per group
-        {"reduce_bucket_size": 1, "allgather_bucket_size": 3},          # one bucket per parameter
-    ]
+    variants = [{"overlap_comm": False}, {"reduce_scatter": False}]
+    if stage == 3:  # shard everything, one unit per Linear; bucket sizes do not apply (units are modules)
+        base["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                     "stage3_unit_min_params": 1}
+    else:
+        variants += [
+            {"reduce_bucket_size": 10**9, "allgather_bucket_size": 10**9},  # one bucket per group
+            {"reduce_bucket_size": 1, "allgather_bucket_size": 3},          # one bucket per parameter
+        ]
     _, reference = zerodp_run(base, "adamw", 3, MICRO_BS)
     for extra in variants:
         cfg = {**base, "zero_optimization": {**base["zero_optimization"], **extra}}
@@ -62,7 +65,7 @@ def knobs_run(stage: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [2])
 def test_communication_settings_do_not_change_results(dist_run, world, stage):
     assert dist_run(world, knobs_run, stage) == [True] * world

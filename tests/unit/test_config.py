@@ -132,3 +132,14 @@ def test_the_config_used_to_benchmark_deepspeed_loads_unchanged():
                                                   "weight_decay": 0.01, "torch_adam": True}},
         "zero_optimization": {"stage": 3}, "steps_per_print": 1000000, "wall_clock_breakdown": False})
     assert cfg.stage == 3 and cfg.steps_per_print == 1000000 and not cfg.wall_clock_breakdown
+
+
+def test_bucket_sizes_at_stage_3_warn_that_they_do_not_apply():
+    with pytest.warns(UserWarning, match="reduce_bucket_size has no effect at stage 3"):
+        load_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8}})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})
+        load_config({"zero_optimization": {"stage": 3}})

@@ -89,3 +89,14 @@ def test_wall_clock_breakdown_times_each_phase(caplog):
             engine.step()
     assert "forward=" in caplog.text and "backward=" in caplog.text and "step=" in caplog.text
     assert engine.timings == {"forward": 0.0, "backward": 0.0, "step": 0.0}  # reset after each log
+
+
+def test_stage3_honours_overlap_comm_and_reduce_scatter():
+    model = make_model()
+    engine = zerodp.initialize(model, make_optimizer("sgd", model),
+                               {"zero_optimization": {"stage": 3, "overlap_comm": False, "reduce_scatter": False}})
+    assert engine.sharding.max_inflight == 0  # each reduction is waited on as soon as it is launched
+    assert all(u.shards.use_all_reduce for u in engine.units)
+    other = make_model()
+    default = zerodp.initialize(other, make_optimizer("sgd", other), {"zero_optimization": {"stage": 3}})
+    assert default.sharding.max_inflight > 0 and not default.units[0].shards.use_all_reduce

@@ -60,8 +60,9 @@ class _StreamHandle:
 class ShardGroup:
     """The ranks a model's units are sharded over, and where their collectives run."""
 
-    def __init__(self, process_group: comm.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, process_group: comm.ProcessGroup, device: torch.device, use_all_reduce: bool = False) -> None:
         self.process_group = process_group
+        self.use_all_reduce = use_all_reduce  # DeepSpeed's reduce_scatter=false
         self.rank = comm.get_rank(process_group)
         self.world = comm.get_world_size(process_group)
         self.reduce_group = comm.new_group_like(process_group)  # see [Note: two communicators]
@@ -95,11 +96,13 @@ class ShardGroup:
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor):
         """Sum `full` over ranks into this rank's slice `output`; returns a handle to wait on."""
         if self.reduce_stream is None:
-            return comm.reduce_scatter(output, full, self.reduce_group, async_op=True, tag="grad")
+            return comm.reduce_scatter(output, full, self.reduce_group, async_op=True, tag="grad",
+                                       use_all_reduce=self.use_all_reduce)
         stream = self.reduce_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            comm.reduce_scatter(output, full, self.reduce_group, async_op=False, tag="grad")
+            comm.reduce_scatter(output, full, self.reduce_group, async_op=False, tag="grad",
+                                use_all_reduce=self.use_all_reduce)
             event = stream.record_event()
         full.record_stream(stream)  # allocated on the compute stream, read on this one
         return _StreamHandle(event, consumed=None)

@@ -21,7 +21,8 @@ before it were launched; whatever is left goes at flush, after one small control
 every rank how many rounds each unit needs (a "late" gradient after a unit's launch, as in a
 weight used by two re-entrant checkpointed regions, needs a second round). Flush launches round
 by round, in unit order, so the sequence of reductions is the same on every rank whatever each
-rank launched early. At most `_MAX_INFLIGHT` reductions are in flight; a full gradient buffer
+rank launched early. At most `_MAX_INFLIGHT` reductions are in flight (none with overlap_comm=false:
+each is waited on as soon as it is launched); a full gradient buffer
 exists from a unit's first gradient of the micro-step until its reduction is waited on, so a unit
 that never completes (a parameter unused in this micro-step) delays the units after it to flush
 and keeps their buffers until then: correct, with less overlap and more memory.
@@ -64,8 +65,9 @@ class Stage3Sharding:
     reduces_every_micro_step = True  # gradients are sharded: reduce after every micro-step
 
     def __init__(self, model: nn.Module, module_units: list[ModuleUnit], flats: list[FlatUnit],
-                 shards: ShardGroup, prefetch_numel: int, max_live_numel: int) -> None:
+                 shards: ShardGroup, prefetch_numel: int, max_live_numel: int, overlap_comm: bool = True) -> None:
         self.module = model
+        self.max_inflight = _MAX_INFLIGHT if overlap_comm else 0
         self.module_units = module_units
         self.root = module_units[0]
         self.flats = flats                                  # every flat unit, in index order
@@ -166,7 +168,7 @@ class Stage3Sharding:
             f.launch_reduce()
             self._inflight.append(f)
             self._next_launch += 1
-            while len(self._inflight) > _MAX_INFLIGHT:
+            while len(self._inflight) > self.max_inflight:
                 self._inflight.popleft().wait_reduce()
 
     def start_micro_step(self, reduce: bool) -> None:
@@ -268,7 +270,7 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     if any(isinstance(owner_of(p), FlatUnit) for p in params):
         raise ValueError("zerodp stage 3: the model is already partitioned by another engine")
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
-    shards = ShardGroup(process_group, params[0].device)
+    shards = ShardGroup(process_group, params[0].device, use_all_reduce=not zero.reduce_scatter)
     plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
     threshold = zero.stage3_param_persistence_threshold
     flats: list[FlatUnit] = []
@@ -292,7 +294,7 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
         if owned or plan.module is model:
             module_units.append(ModuleUnit(plan.module, plan.name, owned, None))
     strategy = Stage3Sharding(model, module_units, flats, shards, zero.stage3_prefetch_bucket_size,
-                              zero.stage3_max_live_parameters)
+                              zero.stage3_max_live_parameters, zero.overlap_comm)
     for mu in module_units:
         mu.strategy = strategy
     return strategy
