@@ -137,17 +137,17 @@ class _Params:
         return iter(self._params)
 
 
-def reference_mixed_run(dtype: torch.dtype, opt_name: str, steps: int, rows: int, clip: float,
-                        loss_scale: float = 1.0) -> tuple[list[float], dict]:
-    """Plain PyTorch mixed precision on the global batch: the model computes in `dtype`, the optimizer
-    steps fp32 master copies, the loss is scaled by a static `loss_scale` and unscaled before clipping."""
-    model = make_model().to(dtype)
-    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
-    opt = make_optimizer(opt_name, _Params(masters))  # same groups, built over the fp32 masters
+def mixed_precision_reference(model: nn.Module, optimizer_for, batches, loss_fn, clip: float,
+                              loss_scale: float = 1.0) -> tuple[list[float], dict]:
+    """Plain PyTorch mixed precision on the global batch: `model` (already in the low precision)
+    computes, `optimizer_for(params)` steps fp32 master copies of its parameters, the loss is scaled by
+    a static `loss_scale` and unscaled before clipping. `batches` yields (x, y) in the model's dtype;
+    `loss_fn(output, y, model)` returns the loss."""
+    masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in model.parameters()]
+    opt = optimizer_for(_Params(masters))  # same groups, built over the fp32 masters
     losses = []
-    for step in range(steps):
-        x, y = global_batch(step, rows)
-        loss = F.mse_loss(model(x.to(dtype)).float(), y)
+    for x, y in batches:
+        loss = loss_fn(model(x), y, model)
         (loss * loss_scale).backward()
         for p, m in zip(model.parameters(), masters):
             m.grad = None if p.grad is None else p.grad.float() / loss_scale
@@ -160,6 +160,14 @@ def reference_mixed_run(dtype: torch.dtype, opt_name: str, steps: int, rows: int
                 p.copy_(m)
         losses.append(loss.item())
     return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def reference_mixed_run(dtype: torch.dtype, opt_name: str, steps: int, rows: int, clip: float,
+                        loss_scale: float = 1.0) -> tuple[list[float], dict]:
+    """`mixed_precision_reference` for the parity model and data of this module."""
+    batches = ((x.to(dtype), y) for x, y in (global_batch(step, rows) for step in range(steps)))
+    return mixed_precision_reference(make_model().to(dtype), lambda params: make_optimizer(opt_name, params),
+                                     batches, lambda out, y, model: F.mse_loss(out.float(), y), clip, loss_scale)
 
 
 @contextlib.contextmanager

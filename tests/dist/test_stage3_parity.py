@@ -401,38 +401,15 @@ def test_stage3_model_built_under_init_context_matches_pytorch(dist_run, world, 
 # -- bf16 ----------------------------------------------------------------------------------------------
 
 
-class _Params:
-    """Stands in for a model where only `.parameters()` is needed (building param groups)."""
-
-    def __init__(self, params: list) -> None:
-        self._params = params
-
-    def parameters(self):
-        return iter(self._params)
-
-
 def reference_bf16(name: str, world: int) -> tuple[list[float], dict]:
     """Plain PyTorch mixed precision on the global batch: a bf16 model, fp32 master weights, SGD."""
     case = CASES[name]
-    model = make(case).to(torch.bfloat16)
-    masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in model.parameters()]
-    opt = sgd(_Params(masters))
-    losses = []
-    for step in range(STEPS):
-        x, y = case.batch(step, MICRO_BS * world * GAS)
-        x = x.to(torch.bfloat16) if x.is_floating_point() else x
-        loss = case.loss(model(x), y, model)
-        loss.backward()
-        for p, m in zip(model.parameters(), masters):
-            m.grad = None if p.grad is None else p.grad.float()
-        torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
-        opt.step()
-        model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), masters):
-                p.copy_(m)
-        losses.append(loss.item())
-    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+    def batches():
+        for step in range(STEPS):
+            x, y = case.batch(step, MICRO_BS * world * GAS)
+            yield (x.to(torch.bfloat16) if x.is_floating_point() else x), y
+    return common.mixed_precision_reference(make(case).to(torch.bfloat16), sgd, batches(), case.loss, CLIP)
 
 
 # Tolerances. Against stage 2 in bf16: the same elementwise arithmetic (each rank's micro-batch gradient
