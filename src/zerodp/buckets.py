@@ -187,9 +187,11 @@ class GradReducer:
     """The stage 0-2 sharding strategy: owns the buckets' hooks, launches reductions in bucket order
     (see [Note: collective order]) and re-assembles parameters after the step.
 
-    The engine drives any strategy through the same five members: `units`,
-    `reduces_every_micro_step`, `start_micro_step`, `flush` and `after_step`.
+    The engine drives any strategy through the same members: `units`, `frozen_units`,
+    `reduces_every_micro_step`, `start_micro_step`, `flush`, `after_step` and `attach_optimizer`.
     """
+
+    frozen_units: tuple = ()  # stages 0-2 keep frozen parameters whole, outside any unit
 
     def __init__(self, buckets: list[GradBucket], process_group: comm.ProcessGroup, overlap: bool,
                  policy: ReducePolicy, allgather_numel: int) -> None:
@@ -265,6 +267,9 @@ class GradReducer:
         handles = [gather_bucket_params(b, self.allgather_numel) for b in self.buckets]
         for handle in handles:
             handle.wait()
+
+    def attach_optimizer(self, optimizer) -> None:
+        """Nothing to do: stage 0-2 parameters are plain tensors that the masters update directly."""
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -54,7 +54,7 @@ def describe_tensors(engine) -> dict[str, dict]:
 def sharded_units(engine) -> list[tuple[Any, Optional[torch.Tensor]]]:
     """Every flat unit whose values are kept in shards, with its fp32 master: the optimizer's units,
     and (stage 3) the units of frozen parameters, which have no master (None)."""
-    frozen = getattr(engine.sharding, "frozen_units", ())
+    frozen = engine.sharding.frozen_units
     return list(zip(engine.units, engine.optimizer.masters)) + [(unit, None) for unit in frozen]
 
 

@@ -71,8 +71,7 @@ class ZeroEngine:
         self.optimizer = ShardedOptimizer(
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, gather=self.sharding.after_step)
-        if hasattr(self.sharding, "attach_optimizer"):  # stage 3: gathered_parameters writes reach the masters
-            self.sharding.attach_optimizer(self.optimizer)
+        self.sharding.attach_optimizer(self.optimizer)  # stage 3: gathered_parameters writes reach the masters
 
     # -- the training loop -----------------------------------------------------------------------
 

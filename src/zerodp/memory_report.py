@@ -51,12 +51,12 @@ def measure_memory(engine) -> MemoryReport:
     grads = sum(u.grad_bytes() for u in units)
     optimizer = engine.optimizer.state_bytes()
     # Frozen parameters: stage 3 shards them into frozen units; other stages keep them whole.
-    frozen_units = getattr(engine.sharding, "frozen_units", [])
+    frozen_units = engine.sharding.frozen_units
     in_units = {id(p) for u in list(units) + list(frozen_units) for p in u.params}
     frozen = sum(u.param_bytes() for u in frozen_units) + sum(
         p.numel() * p.element_size() for p in engine.module.parameters() if id(p) not in in_units)
     precision = engine.precision
-    elem = precision.param_dtype.itemsize if hasattr(precision.param_dtype, "itemsize") else 4
+    elem = precision.param_dtype.itemsize
     master = precision.master_dtype.itemsize if precision.mixed else 0
     k = master + 4 * state_numel_per_param(engine.optimizer.optimizer)
     predicted = predict_model_state_bytes(numel, engine.world_size, engine.stage, param_bytes=elem,

@@ -2,8 +2,8 @@
 
 `build_stage3_sharding` turns a model into module units (wrap.py) holding flat units (units.py),
 registers the hooks (hooks.py) and returns a `Stage3Sharding`, which the engine drives through
-the same members as the stage 0-2 `buckets.GradReducer`: `units`, `reduces_every_micro_step`,
-`start_micro_step`, `flush` and `after_step`.
+the same members as the stage 0-2 `buckets.GradReducer`: `units`, `frozen_units`,
+`reduces_every_micro_step`, `start_micro_step`, `flush`, `after_step` and `attach_optimizer`.
 
 Per step, for a unit of Psi_u elements on N ranks, the collectives are (the paper's 3 Psi):
     forward   all-gather Psi_u   (before its forward; freed after it)
