@@ -8,10 +8,11 @@ from . import optim
 from .config import ConfigError, ZeroConfig, load_config
 from .engine import ZeroEngine, initialize
 from .checkpoint_format import CheckpointError
+from .nonfinite import NonFiniteError
 from .consolidate import consolidate_checkpoint, save_consolidated
 from .stage3 import PartitionedParameterError, gathered_parameters, init_context
 
 __all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ConfigError", "load_config", "optim"]
-__all__ += ["consolidate_checkpoint", "save_consolidated", "CheckpointError"]
+__all__ += ["consolidate_checkpoint", "save_consolidated", "CheckpointError", "NonFiniteError"]
 __all__ += ["gathered_parameters", "init_context", "PartitionedParameterError"]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 import warnings
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -40,10 +41,18 @@ _NOT_SUPPORTED = {
 }
 
 
+class NonFinitePolicy(str, Enum):
+    """What a NaN or Inf gradient does in bf16/fp32 training (see zerodp.nonfinite)."""
+
+    STOP = "stop"
+    SKIP = "skip"
+
+
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors that suggest the closest valid key."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # allow_inf_nan=False: a NaN or infinite number anywhere in a config is a mistake, refused up front
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -150,6 +159,10 @@ class ZeroConfig(StrictModel):
                                            "every this many optimizer steps (rank 0).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward and optimizer step separately "
                                        "(engine.timings) and log them with steps_per_print (every 10 if unset).")
+    nonfinite: NonFinitePolicy = Field(NonFinitePolicy.STOP, description="bf16/fp32: what a NaN or Inf gradient "
+                                       "does. stop: raise on every rank, naming the step, rank and first "
+                                       "parameter; skip: skip the step on every rank with a warning. (fp16 always "
+                                       "skips and lowers the loss scale.)")
 
 
     @model_validator(mode="after")

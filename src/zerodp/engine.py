@@ -24,8 +24,9 @@ from . import comm
 from .buckets import GradReducer, ReducePolicy, build_buckets
 from .config import ConfigError, ZeroConfig, load_config
 from .memory_report import MemoryReport, measure_memory
+from .nonfinite import NonFiniteError, NonFinitePolicy, check_hyperparameters, describe
 from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
-from .optimizer import ShardedOptimizer
+from .optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy
 from .stage3.params import PartitionedParameter
 
@@ -50,6 +51,8 @@ class ZeroEngine:
         self.global_step = 0
         self.micro_step = 0
         self.skipped_steps = 0
+        self.nonfinite_steps = 0  # steps skipped for a NaN/Inf gradient under `nonfinite: skip`
+        self._loss_finite: Optional[torch.Tensor] = None  # this rank's losses since the step, read only on error
         self._backward_since_step = False
         self._last_step_time = time.perf_counter()
         # Seconds spent in forward / backward / step since the last log (wall_clock_breakdown).
@@ -62,6 +65,7 @@ class ZeroEngine:
         trainable = _trainable_parameters(model)
         user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
         check_supported(user_opt, config.zero_allow_untested_optimizer)
+        check_hyperparameters(user_opt.param_groups)
         groups = _optimizer_groups(model, user_opt)
         self._broadcast_module_state()
         if self.precision.mixed:
@@ -110,6 +114,9 @@ class ZeroEngine:
         boundary = self.is_accumulation_boundary
         self.sharding.start_micro_step(reduce=boundary or self.sharding.reduces_every_micro_step)
         scale = self.scaler.scale / self.gradient_accumulation_steps
+        # A tensor, not a Python bool: reading it would be a device sync every micro-step.
+        finite = torch.isfinite(loss.detach())
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward()
             self._received = self.sharding.flush(boundary)
@@ -124,13 +131,30 @@ class ZeroEngine:
         self._backward_since_step = False
         if not boundary:
             return
+        check_hyperparameters(self.optimizer.param_groups)  # a schedule may have produced a NaN lr
         with self._timed("step"):
-            stepped = self.optimizer.step(self._received)
+            outcome = self.optimizer.step(self._received)
+            if outcome is StepOutcome.NONFINITE:
+                self._on_nonfinite()  # raises under `nonfinite: stop`, before the gradients are dropped
             for unit in self.units:
                 unit.zero_grad()
-        self.skipped_steps += 0 if stepped else 1
+        self._loss_finite = None
+        self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
         self._maybe_log()
+
+    def _on_nonfinite(self) -> None:
+        """Every rank is here together (the norm is global): name the cause, then stop or skip."""
+        loss_finite = True if self._loss_finite is None else bool(self._loss_finite)
+        message = describe(self.global_step, self.optimizer.last_grad_norm, loss_finite, self.units,
+                           self.param_names, self.process_group)
+        if self.config.nonfinite is NonFinitePolicy.STOP:
+            raise NonFiniteError(f"{message}. Nothing was written to the parameters or optimizer state. "
+                                 f"Lower the learning rate, enable gradient_clipping, check the data, or set "
+                                 f"\"nonfinite\": \"skip\" to skip such steps")
+        self.nonfinite_steps += 1
+        if self.rank == 0:
+            log.warning("zerodp: skipped %s (nonfinite: skip; %d such steps so far)", message, self.nonfinite_steps)
 
     def _maybe_log(self) -> None:
         every = self.config.steps_per_print or (10 if self.config.wall_clock_breakdown else None)

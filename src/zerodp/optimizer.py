@@ -18,6 +18,7 @@ the optimizer state in those terms.
 One step, in order (every rank runs the same collectives):
   1. fp16: any inf/nan in any rank's gradient shard skips the step on every rank (one flag all-reduce).
   2. unscale; global gradient norm = sqrt(sum over ranks of local squares): the unsharded model's norm.
+     A non-finite norm (bf16/fp32) returns NONFINITE before anything is written (see nonfinite.py).
   3. clip with torch's rule: coef = min(1, max_norm / (norm + 1e-6)).
   4. step the inner optimizer; parameters that got no gradient anywhere are restored afterwards,
      as torch skips parameters whose .grad is None.
@@ -27,6 +28,7 @@ One step, in order (every rank runs the same collectives):
 from __future__ import annotations
 
 import math
+from enum import Enum, auto
 from typing import Optional, Protocol
 
 import torch
@@ -40,6 +42,12 @@ from .precision import LossScaler, PrecisionPolicy
 
 # 1 MiB of fp32: fits L2 with room to spare, large enough that per-tensor overhead is negligible.
 OPTIMIZER_CHUNK_NUMEL = 1 << 18
+
+
+class StepOutcome(Enum):
+    STEPPED = auto()
+    OVERFLOW = auto()     # fp16: inf/nan under loss scaling; skipped, the scale is lowered
+    NONFINITE = auto()    # bf16/fp32: the global gradient norm is NaN/Inf; nothing was written (nonfinite.py)
 
 
 class ShardedUnit(Protocol):
@@ -149,8 +157,8 @@ class ShardedOptimizer:
             comm.all_reduce(sq, self.process_group, tag="norm")
         return math.sqrt(float(sq))
 
-    def step(self, received: Optional[torch.Tensor]) -> bool:
-        """Run one optimizer step over the shards; returns False when an overflow skipped it.
+    def step(self, received: Optional[torch.Tensor]) -> StepOutcome:
+        """Run one optimizer step over the shards; returns whether it stepped or why it did not.
 
         `received` holds one flag per parameter (units concatenated): whether it got a gradient on
         any rank since the last step. None means every parameter did.
@@ -160,7 +168,7 @@ class ShardedOptimizer:
             self.scaler.update(overflow=True)
             self.last_step_skipped = True
             self.last_grad_norm = None
-            return False
+            return StepOutcome.OVERFLOW
         grads = []
         for unit, master in zip(self.units, self.masters):
             g = unit.grad_shard if unit.grad_shard.dtype == master.dtype else unit.grad_shard.to(master.dtype)
@@ -169,6 +177,10 @@ class ShardedOptimizer:
             grads.append(g)
         norm = self._global_norm(grads)
         self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            # the same on every rank (the norm is global): see nonfinite.py
+            self.last_step_skipped = True
+            return StepOutcome.NONFINITE
         if self.gradient_clipping > 0:
             coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
             if coef < 1.0:
@@ -190,7 +202,7 @@ class ShardedOptimizer:
             self.gather()
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
-        return True
+        return StepOutcome.STEPPED
 
     # -- parameters without a gradient ---------------------------------------------------------
 
