@@ -203,6 +203,7 @@ class GradReducer:
         self.reduces_every_micro_step = policy.reduces_every_micro_step()
         self.allgather_numel = allgather_numel
         self.reducing_this_micro_step = False
+        self.in_backward = False  # between start_micro_step and flush: gradients are expected
         self._next_launch = 0
         self._hooks = []
         for bucket_index, bucket in enumerate(buckets):
@@ -211,6 +212,11 @@ class GradReducer:
 
     def _make_hook(self, bucket_index: int, index: int):
         def hook(param: torch.Tensor) -> None:
+            if not self.in_backward:
+                # A stray loss.backward() would otherwise be added silently into the next step.
+                param.grad = None
+                raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
+                                   "discarded; call engine.backward(loss) instead of loss.backward()")
             self.buckets[bucket_index].add_grad(index)
             if self.reducing_this_micro_step:
                 self._launch_ready()
@@ -219,6 +225,7 @@ class GradReducer:
     def start_micro_step(self, reduce: bool) -> None:
         """Prepare for one backward; `reduce` says whether gradients are reduced after it."""
         self.reducing_this_micro_step = reduce
+        self.in_backward = True
         self._next_launch = 0
         for b in self.buckets:
             b.start_micro_step()
@@ -237,6 +244,7 @@ class GradReducer:
         At an accumulation boundary, returns per-parameter flags (concatenated over buckets) saying
         whether the parameter got a gradient on any rank during the step; None otherwise.
         """
+        self.in_backward = False
         if not self.reducing_this_micro_step:
             return None
         while self._next_launch < len(self.buckets):

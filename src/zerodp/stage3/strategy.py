@@ -141,8 +141,9 @@ class Stage3Sharding:
     def _grad_hook(self, flat: FlatUnit, index: int):
         def hook(param: torch.Tensor) -> None:
             if not self.in_backward:
-                raise RuntimeError("zerodp stage 3: a gradient was accumulated outside engine.backward(loss); "
-                                   "call engine.backward(loss) instead of loss.backward()")
+                param.grad = None  # discarded: it would otherwise be added silently into the next step
+                raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
+                                   "discarded; call engine.backward(loss) instead of loss.backward()")
             flat.add_grad(index)
             if flat.complete:
                 self._launch_ready()

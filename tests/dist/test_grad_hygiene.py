@@ -1,0 +1,39 @@
+"""A gradient accumulated outside engine.backward (a stray loss.backward()) is refused at every stage,
+and discarded: the next step equals a run that never made the stray call."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zerodp
+from tests.dist.common import make_model, make_optimizer, micro_batch
+
+
+def stray_backward_run(stage: int, stray: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    engine = zerodp.initialize(model, make_optimizer("sgd", model), {"zero_optimization": {"stage": stage}})
+    out = {"error": None}
+    for step in range(2):
+        x, y = micro_batch(step, 0, rank, world, 2, 1)
+        if stray and step == 1:
+            try:
+                F.mse_loss(engine(x), y).backward()  # the mistake: not engine.backward
+            except RuntimeError as err:
+                out["error"] = str(err)
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+    with zerodp.gathered_parameters(list(model.parameters())):
+        out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stray_backward_is_refused_and_discarded(dist_run, stage):
+    clean = dist_run(2, stray_backward_run, stage, False)
+    stray = dist_run(2, stray_backward_run, stage, True)
+    for c, s in zip(clean, stray):
+        assert s["error"] is not None and "engine.backward(loss)" in s["error"]
+        for a, b in zip(c["params"], s["params"]):
+            assert torch.equal(a, b), "the stray gradient must not reach the next step"
