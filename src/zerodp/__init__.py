@@ -9,10 +9,11 @@ from .config import ConfigError, ZeroConfig, load_config
 from .engine import ZeroEngine, initialize
 from .checkpoint_format import CheckpointError
 from .nonfinite import NonFiniteError
+from .watchdog import DivergenceError
 from .consolidate import consolidate_checkpoint, save_consolidated
 from .stage3 import PartitionedParameterError, gathered_parameters, init_context
 
 __all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ConfigError", "load_config", "optim"]
-__all__ += ["consolidate_checkpoint", "save_consolidated", "CheckpointError", "NonFiniteError"]
+__all__ += ["consolidate_checkpoint", "save_consolidated", "CheckpointError", "NonFiniteError", "DivergenceError"]
 __all__ += ["gathered_parameters", "init_context", "PartitionedParameterError"]
 __version__ = "0.1.0"

@@ -11,6 +11,10 @@ Backend choices:
 - gloo refuses uneven all-gathers; every caller passes buffers padded by `partition.FlatLayout`.
 - gloo's all-gather slows down for large messages (2 ranks, one thread each: 12 MiB at 1.6 GB/s,
   32 MiB at 0.74 GB/s), so `all_gather` sends large gloo buffers as ~12 MiB messages.
+
+Every collective is entered in the flight recorder and every blocking wait runs under the watchdog
+(`watchdog.py`): a wait longer than comm_timeout_s prints what this rank was doing and exits.
+`what` names the collective's target (e.g. a stage-3 unit) for those reports and for debug_sync.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from . import watchdog
 from .partition import chunk_ranges
 
 ProcessGroup = Optional[dist.ProcessGroup]
@@ -39,7 +44,7 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init_distributed(timeout_s: float = 1800.0) -> None:
+def init_distributed(timeout_s: Optional[float] = None) -> None:
     """Initialize torch.distributed from torchrun's environment, if it is set and not done yet.
 
     Picks NCCL when CUDA is available, gloo otherwise. Without torchrun's variables (a plain
@@ -50,6 +55,9 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     from datetime import timedelta
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if timeout_s is None:
+        # the backend's own timeout only backs up the watchdog, which reports first and says more
+        timeout_s = watchdog.timeout_s() + 60.0
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
@@ -121,22 +129,51 @@ def record() -> Iterator[CommLog]:
         _active_logs.remove(log)
 
 
-def _log(op: str, impl: str, tensor: torch.Tensor, tag: str) -> None:
+def _log(op: str, impl: str, tensor: torch.Tensor, tag: str, group: ProcessGroup = None,
+         what: str = "") -> watchdog.Entry:
+    """Record a collective (record() logs, flight recorder); under debug_sync, check ranks agree first."""
     for log in _active_logs:
         log.records.append(CommRecord(op, impl, tensor.numel(), tensor.dtype, tag))
+    entry = watchdog.issue(op, tag, tensor.numel(), tensor.dtype, _group_name(group), what)
+    if watchdog.debug_sync_enabled() and get_world_size(group) > 1:
+        _check_same_collective(entry, group)
+    return entry
+
+
+def _group_name(group: ProcessGroup) -> str:
+    return "world" if group is None else str(getattr(group, "group_name", "?"))
+
+
+def _check_same_collective(entry: watchdog.Entry, group: ProcessGroup) -> None:
+    """debug_sync: exchange a hash of the collective about to be issued; refuse on any mismatch."""
+    world = get_world_size(group)
+    mine = torch.tensor([watchdog.signature(entry)], dtype=torch.int64, device=_device_for(group))
+    every = torch.empty(world, dtype=torch.int64, device=mine.device)
+    with watchdog.waiting(entry):
+        _all_gather_single(every, mine, group=group)
+    if bool((every == every[0]).all()):
+        return
+    descriptions = [None] * world
+    with watchdog.waiting(entry):
+        dist.all_gather_object(descriptions, entry.describe(), group=group)
+    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(descriptions))
+    raise watchdog.DivergenceError(f"debug_sync: ranks are about to issue different collectives:\n{lines}\n"
+                                   f"Every rank must run the same modules in the same order.")
 
 
 class Handle:
     """A pending collective. `wait()` blocks until it is done and runs its completion step once."""
 
-    def __init__(self, work: Optional[dist.Work] = None, then: Optional[Callable[[], None]] = None) -> None:
-        self._work, self._then, self._done = work, then, False
+    def __init__(self, work: Optional[dist.Work] = None, then: Optional[Callable[[], None]] = None,
+                 entry: Optional[watchdog.Entry] = None) -> None:
+        self._work, self._then, self._done, self._entry = work, then, False, entry
 
     def wait(self) -> None:
         if self._done:
             return
         if self._work is not None:
-            self._work.wait()
+            with watchdog.waiting(self._entry):
+                self._work.wait()
         if self._then is not None:
             self._then()
         self._done = True
@@ -146,24 +183,27 @@ class Handle:
         return self._done
 
 
-def _finish(work: Optional[dist.Work], then: Optional[Callable[[], None]], async_op: bool) -> Handle:
-    handle = Handle(work, then)
+def _finish(work: Optional[dist.Work], then: Optional[Callable[[], None]], async_op: bool,
+            entry: watchdog.Entry) -> Handle:
+    # Collectives are always issued asynchronously and a blocking one is waited on here, so that
+    # every host-blocking wait runs under the watchdog.
+    handle = Handle(work, then, entry)
     if not async_op:
         handle.wait()
     return handle
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
-               op: dist.ReduceOp = dist.ReduceOp.SUM, tag: str = "") -> Handle:
+               op: dist.ReduceOp = dist.ReduceOp.SUM, tag: str = "", what: str = "") -> Handle:
     """Sum (or `op`) `tensor` in place across the group."""
-    _log("all_reduce", "all_reduce", tensor, tag)
+    entry = _log("all_reduce", "all_reduce", tensor, tag, group, what)
     if get_world_size(group) == 1:
         return Handle()
-    return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), None, async_op)
+    return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=True), None, async_op, entry)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
-                   async_op: bool = False, use_all_reduce: bool = False, tag: str = "") -> Handle:
+                   async_op: bool = False, use_all_reduce: bool = False, tag: str = "", what: str = "") -> Handle:
     """Sum `input` across the group and leave this rank's 1/N slice in `output`.
 
     `input` must be padded to a multiple of the group size; its contents are undefined afterwards
@@ -175,12 +215,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x "
                          f"{output.numel()} (pad the buffer to a multiple of the group size)")
     if world == 1:
-        _log("reduce_scatter", "none", input, tag)
+        _log("reduce_scatter", "none", input, tag, group, what)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle()
     if use_all_reduce or backend_name(group) == "gloo":
-        _log("reduce_scatter", "all_reduce", input, tag)
+        entry = _log("reduce_scatter", "all_reduce", input, tag, group, what)
         lo = get_rank(group) * output.numel()
         mine = input[lo:lo + output.numel()]
 
@@ -188,14 +228,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
             if output.data_ptr() != mine.data_ptr():
                 output.copy_(mine)
 
-        work = dist.all_reduce(input, group=group, async_op=async_op)
-        return _finish(work, keep_slice, async_op)
-    _log("reduce_scatter", "reduce_scatter_single", input, tag)
-    return _finish(_reduce_scatter_single(output, input, group=group, async_op=async_op), None, async_op)
+        work = dist.all_reduce(input, group=group, async_op=True)
+        return _finish(work, keep_slice, async_op, entry)
+    entry = _log("reduce_scatter", "reduce_scatter_single", input, tag, group, what)
+    return _finish(_reduce_scatter_single(output, input, group=group, async_op=True), None, async_op, entry)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
-               async_op: bool = False, tag: str = "", max_message_numel: Optional[int] = None) -> Handle:
+               async_op: bool = False, tag: str = "", max_message_numel: Optional[int] = None,
+               what: str = "") -> Handle:
     """Concatenate every rank's `input` (equal sizes) into `output`, in rank order.
 
     `input` may be this rank's own slice of `output` (the usual in-place form). A gather larger than
@@ -206,7 +247,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
     if output.numel() != input.numel() * world:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected {world} x {input.numel()}")
     if world == 1:
-        _log("all_gather", "all_gather_single", output, tag)
+        _log("all_gather", "all_gather_single", output, tag, group, what)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle()
@@ -214,36 +255,38 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
     if backend_name(group) == "gloo":
         limit = min(limit, max(world, GLOO_GATHER_MESSAGE_BYTES // output.element_size()))
     if output.numel() > limit:
-        _chunked_all_gather(output, input, group, max(1, limit // world), tag)
+        _chunked_all_gather(output, input, group, max(1, limit // world), tag, what)
         return Handle()
-    _log("all_gather", "all_gather_single", output, tag)
+    entry = _log("all_gather", "all_gather_single", output, tag, group, what)
     if backend_name(group) != "nccl" and _overlaps(output, input):
         # NCCL documents the in-place form; for other backends send a private copy to be safe.
         input = input.clone()
-    return _finish(_all_gather_single(output, input, group=group, async_op=async_op), None, async_op)
+    return _finish(_all_gather_single(output, input, group=group, async_op=True), None, async_op, entry)
 
 
 def _chunked_all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, per_rank: int,
-                        tag: str) -> None:
+                        tag: str, what: str) -> None:
     """All-gather `per_rank` elements of every rank's input at a time, then move them into place."""
     world, shard = get_world_size(group), input.numel()
     staging = torch.empty(world * min(per_rank, shard), dtype=output.dtype, device=output.device)
     rows = output.view(world, shard)
     for lo, hi in chunk_ranges(shard, per_rank):
         part = staging[:world * (hi - lo)]
-        _log("all_gather", "all_gather_single", part, tag)
+        entry = _log("all_gather", "all_gather_single", part, tag, group, what)
         # input may alias a slice of output: the copy is sent before any row of output is written
-        _all_gather_single(part, input[lo:hi].clone(), group=group)
+        with watchdog.waiting(entry):
+            _all_gather_single(part, input[lo:hi].clone(), group=group)
         rows[:, lo:hi].copy_(part.view(world, hi - lo))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *, tag: str = "") -> None:
     """Copy rank `src`'s `tensor` to every rank (`src` is a rank of `group`)."""
-    _log("broadcast", "broadcast", tensor, tag)
+    entry = _log("broadcast", "broadcast", tensor, tag, group)
     if get_world_size(group) == 1:
         return
     global_src = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast(tensor, src=global_src, group=group)
+    with watchdog.waiting(entry):
+        dist.broadcast(tensor, src=global_src, group=group)
 
 
 def all_gather_object(obj, group: ProcessGroup = None) -> list:
@@ -252,7 +295,9 @@ def all_gather_object(obj, group: ProcessGroup = None) -> list:
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj, group=group)  # note: a sync point
+    entry = watchdog.issue("all_gather_object", "object", 1, "object", _group_name(group), "")
+    with watchdog.waiting(entry):
+        dist.all_gather_object(out, obj, group=group)  # note: a sync point
     return out
 
 

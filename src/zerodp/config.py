@@ -120,6 +120,10 @@ class ZeroOptimizationConfig(StrictModel):
                                                     "elements stay whole on every rank.")
     stage3_unit_modules: list[str] = Field(default_factory=list, description="Stage 3: module class names that "
                                            "each become one gathering unit (e.g. a transformer block).")
+    debug_sync: bool = Field(False, description="Before every collective, check that all ranks are about to issue "
+                             "the same one (a small hash exchange); on a mismatch every rank stops naming what each "
+                             "was doing. A debugging aid: one extra collective per collective. Also "
+                             "ZERODP_DEBUG_SYNC=1.")
     stage3_unit_min_params: int = Field(100_000, ge=0, description="Stage 3 auto-wrap: a module with at least "
                                         "this many parameters (not counting its sub-units) becomes a unit.")
 
@@ -159,6 +163,10 @@ class ZeroConfig(StrictModel):
                                            "every this many optimizer steps (rank 0).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward and optimizer step separately "
                                        "(engine.timings) and log them with steps_per_print (every 10 if unset).")
+    comm_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one collective, in seconds. A rank "
+                                  "that waits longer prints its step, phase, stage-3 unit and last collectives, then "
+                                  "exits with code 3 (instead of hanging). The environment's ZERODP_COMM_TIMEOUT_S "
+                                  "overrides it.")
     nonfinite: NonFinitePolicy = Field(NonFinitePolicy.STOP, description="bf16/fp32: what a NaN or Inf gradient "
                                        "does. stop: raise on every rank, naming the step, rank and first "
                                        "parameter; skip: skip the step on every rank with a warning. (fp16 always "

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, watchdog
 from .buckets import GradReducer, ReducePolicy, build_buckets
 from .config import ConfigError, ZeroConfig, load_config
 from .memory_report import MemoryReport, measure_memory
@@ -43,6 +43,9 @@ class ZeroEngine:
         self.process_group = process_group
         self.rank = comm.get_rank(process_group)
         self.world_size = comm.get_world_size(process_group)
+        watchdog.configure(config.comm_timeout_s, config.zero_optimization.debug_sync, rank=self.rank)
+        watchdog.activity.enter("setup")
+        _check_same_model(model, process_group)
         self.stage = config.stage
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = \
             config.resolve_batch(self.world_size)
@@ -86,6 +89,7 @@ class ZeroEngine:
         """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
         if self.precision.mixed:
             args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
+        watchdog.activity.enter("forward")
         with self._timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -117,8 +121,10 @@ class ZeroEngine:
         # A tensor, not a Python bool: reading it would be a device sync every micro-step.
         finite = torch.isfinite(loss.detach())
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        watchdog.activity.enter("backward")
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward()
+            watchdog.activity.enter("reduce")
             self._received = self.sharding.flush(boundary)
         self._backward_since_step = True
 
@@ -129,8 +135,10 @@ class ZeroEngine:
         boundary = self.is_accumulation_boundary
         self.micro_step += 1
         self._backward_since_step = False
+        watchdog.activity.micro_step = self.micro_step
         if not boundary:
             return
+        watchdog.activity.enter("optimizer step")
         check_hyperparameters(self.optimizer.param_groups)  # a schedule may have produced a NaN lr
         with self._timed("step"):
             outcome = self.optimizer.step(self._received)
@@ -141,6 +149,7 @@ class ZeroEngine:
         self._loss_finite = None
         self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
+        watchdog.activity.global_step = self.global_step
         self._maybe_log()
 
     def _on_nonfinite(self) -> None:
@@ -202,12 +211,14 @@ class ZeroEngine:
         """Every rank writes its own shards under save_dir/tag; returns the checkpoint's path."""
         from .checkpoint import save_checkpoint
 
+        watchdog.activity.enter("checkpoint")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None) -> dict:
         """Resume from a checkpoint (any world size or stage); returns the saved client_state."""
         from .checkpoint import load_checkpoint
 
+        watchdog.activity.enter("checkpoint")
         return load_checkpoint(self, load_dir, tag=tag)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
@@ -225,6 +236,26 @@ class ZeroEngine:
                 if isinstance(t, PartitionedParameter):
                     continue  # created partitioned by zerodp.init_context: equal on every rank already
                 comm.broadcast(t.data, 0, self.process_group, tag="init")
+
+
+def _check_same_model(model: nn.Module, process_group: comm.ProcessGroup) -> None:
+    """Refuse to start when ranks built different models (they would hang or mix tensors later)."""
+    if comm.get_world_size(process_group) == 1:
+        return
+    mine = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+            for name, p in model.named_parameters()]
+    every = comm.all_gather_object(mine, process_group)  # once, at start-up
+    for rank, theirs in enumerate(every):
+        if theirs == every[0]:
+            continue
+        for i, (a, b) in enumerate(zip(every[0], theirs)):
+            if a != b:
+                raise ConfigError(f"ranks built different models: parameter {i} is {a} on rank 0 but {b} on rank "
+                                  f"{rank} (name, shape, dtype, requires_grad); every rank must build the same model")
+        n0, n = len(every[0]), len(theirs)
+        extra = (every[0] if n0 > n else theirs)[min(n0, n)]
+        raise ConfigError(f"ranks built different models: rank 0 has {n0} parameters, rank {rank} has {n} "
+                          f"(first extra: {extra}); every rank must build the same model")
 
 
 def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -281,5 +312,7 @@ def _cast_floats(obj, dtype: torch.dtype):
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
                process_group: comm.ProcessGroup = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training as `config` says; see the README's quick start."""
+    config = load_config(config)
+    watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
     comm.init_distributed()
-    return ZeroEngine(model, optimizer, load_config(config), process_group)
+    return ZeroEngine(model, optimizer, config, process_group)

@@ -73,19 +73,19 @@ class ShardGroup:
         self.live_numel = 0       # elements of gathered buffers allocated right now (persistent units excluded)
         self.peak_live_numel = 0
 
-    def unshard(self, full: torch.Tensor, shard: torch.Tensor):
+    def unshard(self, full: torch.Tensor, shard: torch.Tensor, what: str = ""):
         """Allocate `full` and all-gather every rank's `shard` into it; returns a handle to wait on."""
         self.live_numel += full.numel()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         if self.gather_stream is None:
             alloc_storage(full, full.numel())
-            return comm.all_gather(full, shard, self.process_group, async_op=True, tag="param")
+            return comm.all_gather(full, shard, self.process_group, async_op=True, tag="param", what=what)
         stream = self.gather_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             alloc_storage(full, full.numel())  # memory from the gather stream's pool
             # NCCL queues the op after `stream` and makes `stream` wait for it; the host does not block
-            comm.all_gather(full, shard, self.process_group, async_op=False, tag="param")
+            comm.all_gather(full, shard, self.process_group, async_op=False, tag="param", what=what)
             event = stream.record_event()
         return _StreamHandle(event, consumed=full)
 
@@ -93,16 +93,16 @@ class ShardGroup:
         """Account for a gathered buffer whose storage was just released."""
         self.live_numel -= full.numel()
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor):
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str = ""):
         """Sum `full` over ranks into this rank's slice `output`; returns a handle to wait on."""
         if self.reduce_stream is None:
             return comm.reduce_scatter(output, full, self.reduce_group, async_op=True, tag="grad",
-                                       use_all_reduce=self.use_all_reduce)
+                                       use_all_reduce=self.use_all_reduce, what=what)
         stream = self.reduce_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             comm.reduce_scatter(output, full, self.reduce_group, async_op=False, tag="grad",
-                                use_all_reduce=self.use_all_reduce)
+                                use_all_reduce=self.use_all_reduce, what=what)
             event = stream.record_event()
         full.record_stream(stream)  # allocated on the compute stream, read on this one
         return _StreamHandle(event, consumed=None)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .. import watchdog
 from .units import FlatUnit
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ class ModuleUnit:
     # -- forward ----------------------------------------------------------------------------------
 
     def _pre_forward(self, module, args, kwargs):
+        watchdog.activity.unit = self.name
         s = self.strategy
         s.enter_forward(self)
         self.acquire()
@@ -174,6 +176,7 @@ class ModuleUnit:
         """A gradient reached one of the unit's outputs: gather for the unit's backward."""
         if self.backward_hold:
             return
+        watchdog.activity.unit = self.name
         s = self.strategy
         s.record_backward(self)
         self.acquire()

@@ -128,7 +128,7 @@ class FlatUnit:
         """Start gathering the full parameters (no-op when gathered or in flight)."""
         if self.state is not ShardState.SHARDED:
             return
-        self._gather_handle = self.shards.unshard(self.gathered.tensor, self.param_shard)
+        self._gather_handle = self.shards.unshard(self.gathered.tensor, self.param_shard, what=self.describe())
         self.state = ShardState.GATHERING
 
     def wait_for_unshard(self) -> None:
@@ -213,7 +213,8 @@ class FlatUnit:
         assert self.grad_state is not GradState.REDUCING
         self._ensure_grad_full()  # a rank without gradients takes part with zeros
         full = self.grad_full.tensor
-        self._reduce_handle = self.shards.reduce_scatter(self.grad_full.shard(self.shard_index), full)
+        self._reduce_handle = self.shards.reduce_scatter(self.grad_full.shard(self.shard_index), full,
+                                                         what=self.describe())
         self.rounds_launched += 1
         self.grad_state = GradState.REDUCING
 
@@ -253,6 +254,10 @@ class FlatUnit:
         assert self.persistent
         return comm.all_gather(self.gathered.tensor, self.param_shard, self.shards.process_group,
                                async_op=True, tag="param")
+
+    def describe(self) -> str:
+        """How collectives name this unit in diagnostics (watchdog, debug_sync)."""
+        return f"unit '{self.module_name}' (flat unit {self.index})"
 
     def __repr__(self) -> str:
         kind = "persistent" if self.persistent else ("frozen" if not self.trainable else "sharded")
