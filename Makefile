@@ -33,7 +33,7 @@ $(BENCH_VENV)/.installed:
 	touch $@
 
 bench: $(BENCH_VENV)/.installed
-	OMP_NUM_THREADS=1 $(BENCH_VENV)/bin/python bench/run.py
+	OMP_NUM_THREADS=1 $(BENCH_VENV)/bin/zerodp bench
 
 clean:
 	rm -rf $(VENV) runs

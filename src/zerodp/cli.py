@@ -50,7 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_estimate(sub)
     _add_consolidate(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub) -> None:
+    from .bench.runner import add_arguments
+
+    p = sub.add_parser("bench", help="zerodp's stages side by side with DDP, FSDP and DeepSpeed",
+                       description=_wrap("Run DDP, torch's ZeroRedundancyOptimizer, FSDP1, FSDP2, DeepSpeed (when "
+                                         "installed) and zerodp's stages in alternating rounds on local ranks; "
+                                         "report step time as a ratio to DDP, tokens/s, peak live and RSS memory, "
+                                         "model-state bytes against the formula, traffic and loss agreement, in "
+                                         "bench/RESULTS.md with a chart. Needs an otherwise idle machine."))
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from .bench.runner import compare, sweep
+
+    sweep(ns) if ns.sweep else compare(ns)
+    return 0
 
 
 def _add_train(sub) -> None:

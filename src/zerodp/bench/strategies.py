@@ -8,11 +8,10 @@ with torch's AdamW); nothing here tunes one strategy and not the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 LR, WD = 1e-3, 0.01
@@ -45,6 +44,8 @@ class Runner:
     backward: Callable
     step: Callable
     model_state_bytes: Callable[[], dict]
+    # the ZeRO formula's prediction for this rank (zerodp only: it knows its own layout)
+    predicted_state_bytes: Callable[[], Optional[dict]] = field(default=lambda: None)
 
 
 def _plain(model: nn.Module, opt) -> Runner:
@@ -85,7 +86,7 @@ def fsdp1(model: nn.Module, strategy: str) -> Runner:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from zerodp.examples.gpt import Block
+    from ..examples.gpt import Block
 
     wrapped = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
                    auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
@@ -106,15 +107,15 @@ def fsdp2(model: nn.Module) -> Runner:
 
 
 def zerodp_stage(model: nn.Module, stage: int) -> Runner:
-    import zerodp
+    from ..engine import initialize
 
-    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+    engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
                                {"zero_optimization": {"stage": stage}})
 
-    def states():
-        rep = engine.memory_report()
-        return {"params": rep.measured.params, "grads": rep.measured.grads, "optimizer": rep.measured.optimizer}
-    return Runner(engine, engine.backward, engine.step, states)
+    def states(which: str = "measured"):
+        rep = getattr(engine.memory_report(), which)
+        return {"params": rep.params, "grads": rep.grads, "optimizer": rep.optimizer}
+    return Runner(engine, engine.backward, engine.step, states, lambda: states("predicted"))
 
 
 def deepspeed_stage(model: nn.Module, stage: int) -> Runner:
@@ -148,6 +149,3 @@ STRATEGIES: dict[str, Callable[[nn.Module], Runner]] = {
 PEERS_OF_STAGE = {0: ["ddp", "deepspeed0"], 1: ["torch_zero1", "deepspeed1"],
                   2: ["fsdp1_grad_op", "deepspeed2"], 3: ["fsdp1_full", "fsdp2", "deepspeed3"]}
 
-
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

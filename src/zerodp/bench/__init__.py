@@ -1,0 +1,8 @@
+"""`zerodp bench`: zerodp's stages side by side with the peers, as a user would compare them.
+
+    models.py        the benchmark GPTs and their synthetic token stream
+    strategies.py    DDP, ZeroRedundancyOptimizer, FSDP1/2, DeepSpeed and zerodp behind one Runner
+    live_memory.py   peak live (malloc in-use) bytes during a step, sampled by a thread
+    worker.py        one strategy on N ranks under torchrun: times, memory, traffic, losses (JSON)
+    runner.py        alternating rounds, ratios to DDP, bench/RESULTS.md and a PNG chart; the sweep
+"""

@@ -1,0 +1,23 @@
+"""`zerodp bench` runs peers and stages side by side and reports whether their losses equal DDP's
+(a smoke run on the tiny model; no timing is asserted)."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(300)
+def test_bench_reports_identical_losses_to_ddp(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", "bench", "--model", "tiny", "--steps", "2",
+                           "--rounds", "1", "--strategies", "ddp", "zerodp1", "zerodp3",
+                           "--out", str(tmp_path / "runs"), "--results", str(results)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in results.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| strategy")}
+    assert set(rows) == {"ddp", "zerodp1", "zerodp3"}
+    for name in ("zerodp1", "zerodp3"):
+        assert rows[name].rstrip().endswith("| identical |"), rows[name]
+    assert (tmp_path / "runs" / "chart.png").stat().st_size > 0
