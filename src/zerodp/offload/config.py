@@ -23,6 +23,9 @@ class OffloadDevice(str, Enum):
     CPU = "cpu"
     NVME = "nvme"
 
+    def __repr__(self) -> str:  # the config reference shows 'none', as a user writes it
+        return repr(self.value)
+
 
 class _Section(BaseModel):
     """Unknown keys are errors that suggest the closest valid key (as zerodp.config.StrictModel does;
