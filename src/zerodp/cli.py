@@ -145,6 +145,12 @@ def _add_estimate(sub) -> None:
                    "with --model, as `zerodp train` runs)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam", help="sets the fp32 "
                    "states per parameter: adam/adamw/lamb 2, sgd/adagrad 1, sgd-nomomentum 0 (default adam)")
+    p.add_argument("--offload", choices=("cpu", "nvme"), help="also print where an offloaded run keeps its "
+                   "model states per rank: device, host and disk bytes (offload_optimizer.device)")
+    p.add_argument("--sub-group-size", type=float, default=1e9, metavar="W", help="with --offload nvme: "
+                   "elements per streamed window (zero_optimization.sub_group_size, default 1e9)")
+    p.add_argument("--buffer-count", type=int, default=4, metavar="B", help="with --offload nvme: I/O buffers "
+                   "(offload_optimizer.buffer_count, default 4)")
     p.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH, metavar="B",
                    help=f"with --model: sequences per rank, for the activation estimate "
                         f"(default {DEFAULT_MICRO_BATCH})")
@@ -267,6 +273,13 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         raise UsageError(f"--world-size must be at least 1, got {world}")
     stages = (0, 1, 2, 3) if ns.stage is None else (ns.stage,)
     print(render_estimate(numel, world, precision, ns.optimizer, stages))
+    if ns.offload is not None:
+        from .memory import OPTIMIZER_STATES, precision_bytes
+        from .offload.estimate import render_offload_estimate
+
+        print(render_offload_estimate(numel, world, precision_bytes(precision, ns.optimizer),
+                                      OPTIMIZER_STATES[ns.optimizer], ns.offload, stages, ns.sub_group_size,
+                                      ns.buffer_count))
     if ns.model is not None:
         block = MODEL_PRESETS[ns.model].block_size
         seq_len = ns.seq_len or block

@@ -19,6 +19,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and the fix."""
@@ -27,8 +29,6 @@ class ConfigError(ValueError):
 # Keys DeepSpeed accepts that zerodp deliberately does not (yet) implement. Refusing them by name is
 # kinder than "unknown key": the user learns the feature exists but is not available here.
 _NOT_SUPPORTED = {
-    "offload_optimizer": "optimizer offload is not implemented yet in zerodp; remove the key",
-    "offload_param": "parameter offload is not implemented yet in zerodp; remove the key",
     "round_robin_gradients": "zerodp reduces whole buckets; remove the key",
     "zero_quantized_weights": "quantized communication (ZeRO++) is not implemented; remove the key",
     "zero_quantized_gradients": "quantized communication (ZeRO++) is not implemented; remove the key",
@@ -126,12 +126,19 @@ class ZeroOptimizationConfig(StrictModel):
                              "ZERODP_DEBUG_SYNC=1.")
     stage3_unit_min_params: int = Field(100_000, ge=0, description="Stage 3 auto-wrap: a module with at least "
                                         "this many parameters (not counting its sub-units) becomes a unit.")
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig, description="ZeRO-"
+                                                      "Offload / ZeRO-Infinity: optimizer state in host memory or files.")
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig, description="Stage 3: "
+                                              "parameter shards in host memory or files.")
+    sub_group_size: int = Field(1_000_000_000, ge=1, description="Elements per chunk that an offloaded optimizer "
+                                "step streams (read, step, write); bounds the optimizer's working set in RAM.")
 
     @model_validator(mode="after")
     def _check_honourable(self) -> "ZeroOptimizationConfig":
         if not self.contiguous_gradients:
             raise ValueError("contiguous_gradients=false is not supported: zerodp always reduces contiguous "
                              "buckets (it costs no extra memory); remove the key or set it to true")
+        check_stage(self.stage, self.offload_optimizer, self.offload_param)
         bucket_keys = sorted({"reduce_bucket_size", "allgather_bucket_size"} & self.model_fields_set)
         if self.stage == 3 and bucket_keys:
             # DeepSpeed configs often carry these; at stage 3 zerodp communicates per module unit instead
@@ -157,6 +164,7 @@ class ZeroConfig(StrictModel):
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig,
                                                       description="ZeRO stage and communication settings.")
     optimizer: Optional[OptimizerSection] = Field(None, description="Build the optimizer from the config.")
+    aio: AioConfig = Field(default_factory=AioConfig, description="How offload files are read and written.")
     zero_allow_untested_optimizer: bool = Field(False, description="Allow an optimizer class zerodp does not "
                                                 "know to be elementwise (you assert its update is per element).")
     steps_per_print: Optional[int] = Field(None, ge=1, description="Log loss scale, grad norm and step time "

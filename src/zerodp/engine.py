@@ -25,6 +25,7 @@ from .buckets import GradReducer, ReducePolicy, build_buckets
 from .config import ConfigError, ZeroConfig, load_config
 from .memory_report import MemoryReport, measure_memory
 from .nonfinite import NonFiniteError, NonFinitePolicy, check_hyperparameters, describe
+from .offload.build import build_optimizer_offload
 from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
 from .optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy
@@ -75,9 +76,11 @@ class ZeroEngine:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
         self.sharding = _build_sharding(model, groups, config, process_group)
         self.units = self.sharding.units
+        offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
-            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, gather=self.sharding.after_step)
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, gather=self.sharding.after_step,
+            offload=offload)
         self.sharding.attach_optimizer(self.optimizer)  # stage 3: gathered_parameters writes reach the masters
 
     # -- the training loop -----------------------------------------------------------------------
@@ -204,6 +207,11 @@ class ZeroEngine:
     def memory_report(self) -> MemoryReport:
         """This rank's parameter, gradient and optimizer bytes, measured and as the paper predicts."""
         return measure_memory(self)
+
+    def close(self) -> None:
+        """Release the offload tier now: its files are deleted (otherwise at garbage collection or exit)."""
+        if self.optimizer.offload is not None:
+            self.optimizer.offload.close()
 
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 

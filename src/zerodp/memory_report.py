@@ -31,11 +31,14 @@ class MemoryReport:
     predicted: ModelStateBytes
     frozen_param_bytes: int
     rss_bytes: int
+    disk_bytes: int = 0            # offloaded optimizer state in files (nvme)
+    disk_bytes_predicted: int = 0
 
     def as_dict(self) -> dict:
         out = {"rank": self.rank, "world_size": self.world_size, "stage": self.stage, "numel": self.numel,
                "padding_numel": self.padding_numel, "frozen_param_bytes": self.frozen_param_bytes,
-               "rss_bytes": self.rss_bytes}
+               "rss_bytes": self.rss_bytes, "disk_bytes": self.disk_bytes,
+               "disk_bytes_predicted": self.disk_bytes_predicted}
         for kind in ("params", "grads", "optimizer"):
             out[f"{kind}_bytes"] = getattr(self.measured, kind)
             out[f"{kind}_bytes_predicted"] = getattr(self.predicted, kind)
@@ -61,6 +64,13 @@ def measure_memory(engine) -> MemoryReport:
     k = master + 4 * state_numel_per_param(engine.optimizer.optimizer)
     predicted = predict_model_state_bytes(numel, engine.world_size, engine.stage, param_bytes=elem,
                                           grad_bytes=elem, optimizer_bytes=k)
+    disk = disk_predicted = 0
+    if engine.optimizer.offload is not None:  # offload: the elementwise state's host part, and disk bytes
+        from .offload.estimate import offload_report_bytes
+
+        optimizer_predicted, disk_predicted = offload_report_bytes(engine, numel, master, k - master)
+        predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
+        disk = engine.optimizer.offload.disk_bytes()
     return MemoryReport(engine.rank, engine.world_size, engine.stage, numel, padding,
                         ModelStateBytes(params, grads, optimizer), predicted, frozen,
-                        psutil.Process().memory_info().rss)
+                        psutil.Process().memory_info().rss, disk, int(disk_predicted))

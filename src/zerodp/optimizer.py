@@ -27,6 +27,7 @@ One step, in order (every rank runs the same collectives):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from enum import Enum, auto
 from typing import Optional, Protocol
@@ -68,7 +69,7 @@ class ShardedOptimizer:
 
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
-                 sharded: bool, gradient_clipping: float, gather=None) -> None:
+                 sharded: bool, gradient_clipping: float, gather=None, offload=None) -> None:
         self.units = units
         self.precision = precision
         self.scaler = scaler
@@ -76,13 +77,15 @@ class ShardedOptimizer:
         self.sharded = sharded  # gradients/norms are split across ranks (stages 1-3)
         self.gradient_clipping = gradient_clipping
         self.gather = gather    # callable() re-assembling full parameters after the step, or None
+        self.offload = offload  # offload.OffloadedOptimizerState: where elementwise state lives, or None
+        self.chunk_numel = offload.chunk_numel(OPTIMIZER_CHUNK_NUMEL) if offload else OPTIMIZER_CHUNK_NUMEL
         self.masters: list[torch.Tensor] = []
         for unit in units:
             if precision.mixed:
                 self.masters.append(unit.param_shard.detach().to(precision.master_dtype).clone())
             else:
                 self.masters.append(unit.param_shard)  # alias: updating the master updates the model
-        self.chunks = [list(master.split(OPTIMIZER_CHUNK_NUMEL)) for master in self.masters]
+        self.chunks = [list(master.split(self.chunk_numel)) for master in self.masters]
         groups = [dict(settings, params=[]) for settings in group_settings]
         for unit, chunks in zip(units, self.chunks):
             groups[unit.group_index]["params"].extend(chunks)
@@ -90,6 +93,8 @@ class ShardedOptimizer:
         self.group_indices = [i for i, g in enumerate(groups) if g["params"]]
         self.optimizer = rebuild(user_optimizer, [g for g in groups if g["params"]])
         self._bind_shard_layout()
+        if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
+            offload.attach(self.optimizer, self.chunks)
         self.last_grad_norm: Optional[float] = None
         self.last_step_skipped = False
 
@@ -113,9 +118,19 @@ class ShardedOptimizer:
                 yield chunk, slice(a - start, b - start), slice(a, b)
             start = end
 
+    def _resident(self, index: int):
+        """Offload: hold master `index`'s optimizer state in memory for a block."""
+        if self.offload is None:
+            return contextlib.nullcontext()
+        return self.offload.resident(self.offload.chunk_indices(self.chunks[index]))
+
     def state_of(self, index: int) -> dict:
         """Master `index`'s optimizer state: elementwise tensors shaped like the master (copies), and
         scalars (e.g. Adam's `step`). Empty before the first step."""
+        with self._resident(index):
+            return self._state_of(index)
+
+    def _state_of(self, index: int) -> dict:
         states = [self.optimizer.state.get(c, {}) for c in self.chunks[index]]
         if not states[0]:
             return {}
@@ -129,6 +144,10 @@ class ShardedOptimizer:
 
     def load_state_of(self, index: int, state: dict) -> None:
         """Replace master `index`'s optimizer state with `state` (the form `state_of` returns)."""
+        with self._resident(index):
+            self._load_state_of(index, state)
+
+    def _load_state_of(self, index: int, state: dict) -> None:
         master = self.masters[index]
         for chunk, chunk_sl, master_sl in self._chunk_ranges(index, 0, master.numel()):
             self.optimizer.state.pop(chunk, None)
@@ -187,11 +206,12 @@ class ShardedOptimizer:
                 for g in grads:
                     g.mul_(coef)
         for chunks, g in zip(self.chunks, grads):
-            for chunk, g_chunk in zip(chunks, g.split(OPTIMIZER_CHUNK_NUMEL)):
+            for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
                 chunk.grad = g_chunk
-        restore = self._snapshot_untouched(received)
-        self.optimizer.step()
-        self._restore_untouched(restore)
+        if self.offload is None:
+            self._step_chunks(received, None)
+        else:  # offload: the state streams through the step, one window of chunks at a time
+            self.offload.step(lambda window: self._step_chunks(received, window))
         for chunks in self.chunks:
             for chunk in chunks:
                 chunk.grad = None
@@ -204,10 +224,26 @@ class ShardedOptimizer:
         self.last_step_skipped = False
         return StepOutcome.STEPPED
 
+    def _step_chunks(self, received: Optional[torch.Tensor], window: Optional[list]) -> None:
+        """Step the inner optimizer over `window`'s chunks (None: all chunks)."""
+        only = None if window is None else {id(c) for c in window}
+        hidden = []
+        if only is not None:  # torch skips parameters without .grad: hide the chunks outside the window
+            hidden = [c for chunks in self.chunks for c in chunks if id(c) not in only]
+            grads = [c.grad for c in hidden]
+            for c in hidden:
+                c.grad = None
+        restore = self._snapshot_untouched(received, only)
+        self.optimizer.step()
+        self._restore_untouched(restore)
+        for c, g in zip(hidden, grads if hidden else []):
+            c.grad = g
+
     # -- parameters without a gradient ---------------------------------------------------------
 
-    def _snapshot_untouched(self, received: Optional[torch.Tensor]):
-        """Save master and state slices of parameters that got no gradient (torch would skip them)."""
+    def _snapshot_untouched(self, received: Optional[torch.Tensor], only: Optional[set] = None):
+        """Save master and state slices of parameters that got no gradient (torch would skip them);
+        `only`: ids of the chunks being stepped (None: all)."""
         if received is None or bool(received.all()):
             return []
         saved, offset = [], 0
@@ -221,6 +257,8 @@ class ShardedOptimizer:
                 if flags[seg.param_index]:
                     continue
                 for chunk, csl, _ in self._chunk_ranges(index, seg.shard_start, seg.shard_start + seg.numel):
+                    if only is not None and id(chunk) not in only:
+                        continue
                     state = self.optimizer.state.get(chunk, {})
                     tensors = {k: v[csl].clone() for k, v in state.items()
                                if torch.is_tensor(v) and v.shape == chunk.shape}
@@ -244,4 +282,4 @@ class ShardedOptimizer:
             for v in state.values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     total += v.numel() * v.element_size()
-        return total
+        return total + (self.offload.host_bytes() if self.offload is not None else 0)

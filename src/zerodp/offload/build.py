@@ -1,0 +1,101 @@
+"""Building the offload tier for an engine from its config, with every check done before any work.
+
+`build_optimizer_offload` returns the `OffloadedOptimizerState` the sharded optimizer streams its state
+through (None when offload_optimizer is off). Before anything is created it checks, naming the key
+and the fix: the optimizer is elementwise (LAMB and LARC need whole-parameter norms over the full
+shard in one step), nvme_path exists, is a writable directory and has room for the predicted bytes.
+Settings that cannot have an effect on this machine are reported once (a warning).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import comm
+from ..config import ConfigError, ZeroConfig
+from ..optim.build import SHARD_AWARE, state_numel_per_param
+from ..optim.larc import LARC
+from .config import OffloadDevice, ignored_settings
+from .file_io import FileIO
+from .optimizer_state import OffloadedOptimizerState
+from .run_dir import OffloadPathError, RankDir, check_nvme_path, new_run_id, report_leftovers
+from .store import FileStore, HostStore
+
+_reported: set[str] = set()
+
+
+def report_ignored(config: ZeroConfig, rank: int) -> None:
+    """Warn once per process about offload settings without effect here."""
+    zero = config.zero_optimization
+    for line in ignored_settings(zero.offload_optimizer, zero.offload_param, config.aio, torch.cuda.is_available()):
+        if rank == 0 and line not in _reported:
+            _reported.add(line)
+            warnings.warn(line, UserWarning, stacklevel=3)
+
+
+def shared_run_id(process_group: comm.ProcessGroup) -> str:
+    """Rank 0's fresh run id, on every rank (note: a collective)."""
+    return comm.all_gather_object(new_run_id(), process_group)[0]
+
+
+def predicted_state_bytes(numel: int, user_optimizer) -> int:
+    """Bytes of fp32 elementwise optimizer state for `numel` elements of this rank's shard."""
+    return numel * 4 * state_numel_per_param(user_optimizer)
+
+
+def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_group: comm.ProcessGroup):
+    """The optimizer-state offload of this rank (None when offload_optimizer is off); see module docstring."""
+    zero = config.zero_optimization
+    section = zero.offload_optimizer
+    rank = comm.get_rank(process_group)
+    report_ignored(config, rank)
+    if zero.offload_param.enabled:
+        raise ConfigError("zero_optimization.offload_param is not implemented yet in zerodp (optimizer offload "
+                          "is); remove offload_param")
+    if not section.enabled:
+        return None
+    inner = user_optimizer.optim if isinstance(user_optimizer, LARC) else user_optimizer
+    if isinstance(user_optimizer, LARC) or isinstance(inner, SHARD_AWARE):
+        raise ConfigError(f"offload_optimizer streams the step in chunks, but {type(user_optimizer).__name__} "
+                          f"needs whole-parameter norms over the full shard in one step; use an elementwise "
+                          f"optimizer (Adam, AdamW, SGD, ...) or remove offload_optimizer")
+    numel = sum(u.param_shard.numel() for u in units)
+    # cpu: all of it in host memory; nvme: the first (1 - ratio) in host memory, the rest in files
+    host_fraction = 1.0 if section.device is OffloadDevice.CPU else 1.0 - section.ratio
+    pin = section.pin_memory and torch.cuda.is_available()
+    rank_dir = None
+    if section.device is OffloadDevice.NVME:
+        key = "zero_optimization.offload_optimizer.nvme_path"
+        needed = predicted_state_bytes(int(numel * section.ratio) + zero.sub_group_size, user_optimizer)
+        error = None
+        try:
+            check_nvme_path(section.nvme_path, key, needed * _ranks_on_this_disk(process_group))
+        except OffloadPathError as err:
+            error = str(err)
+        errors = comm.all_gather_object(error, process_group)  # every rank fails together, none hangs
+        if any(errors):
+            raise ConfigError(next(e for e in errors if e))
+        if rank == 0:
+            report_leftovers(section.nvme_path)
+        rank_dir = RankDir(section.nvme_path, shared_run_id(process_group), rank)
+    io = FileIO(config.aio.io_threads, config.aio.block_size)
+
+    def make_stores(host_numel: int, file_numel: int):
+        if section.device is OffloadDevice.CPU:
+            return HostStore(host_numel, pin), None
+        host = HostStore(host_numel, pin) if host_numel else None
+        return host, FileStore(rank_dir, file_numel, io, prefix="optimizer.")
+
+    owned = (io,) if rank_dir is None else (io, rank_dir)
+    return OffloadedOptimizerState(min(zero.sub_group_size, max(numel, 1)), section.buffer_count, make_stores,
+                                   host_fraction, pin, owned)
+
+
+def _ranks_on_this_disk(process_group: comm.ProcessGroup) -> int:
+    """Ranks of this host (they share nvme_path's file system), for the up-front space check."""
+    import socket
+
+    hosts = comm.all_gather_object(socket.gethostname(), process_group)
+    return hosts.count(socket.gethostname())

@@ -1,0 +1,169 @@
+"""Configuration of the offload tier: DeepSpeed's `offload_optimizer`, `offload_param` and `aio` sections.
+
+The keys and their meanings are DeepSpeed's, so existing ZeRO-Offload / ZeRO-Infinity configs load
+unchanged. What zerodp honours is honoured; the few keys that cannot change anything here are
+accepted and reported once (`ignored_settings`), never silently dropped. Checks that need the model
+(free disk space for the predicted bytes, a writable `nvme_path`) run when the engine is built, before
+any work: see `offload.checks`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from enum import Enum
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class OffloadDevice(str, Enum):
+    """Where offloaded tensors live: `none` (off), `cpu` (host memory) or `nvme` (files under nvme_path)."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+    def __repr__(self) -> str:  # the config reference shows 'none', as a user writes it
+        return repr(self.value)
+
+
+class _Section(BaseModel):
+    """Unknown keys are errors that suggest the closest valid key (as zerodp.config.StrictModel does;
+    kept separate so that zerodp.config can import these models without an import cycle)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        valid = sorted(cls.model_fields)
+        for key in data:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+                hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+                raise ValueError(f"unknown key '{key}'{hint}")
+        return data
+
+
+def _check_nvme_path(device: OffloadDevice, nvme_path: Optional[str], section: str) -> None:
+    if device is OffloadDevice.NVME and not nvme_path:
+        raise ValueError(f"{section}.device is 'nvme' but {section}.nvme_path is not set; set it to a directory on "
+                         f"a fast local disk (zerodp creates its files under it)")
+
+
+class OffloadOptimizerConfig(_Section):
+    """`zero_optimization.offload_optimizer` (stages 1-3): where the fp32 master shard's optimizer state lives."""
+
+    device: OffloadDevice = Field(OffloadDevice.NONE, description="none: off; cpu: optimizer state in host "
+                                  "memory (without a GPU this is the same memory as no offload); nvme: in files "
+                                  "under nvme_path, streamed through the step in sub_group_size chunks.")
+    nvme_path: Optional[str] = Field(None, description="Directory for the files of device 'nvme'; zerodp "
+                                     "creates nvme_path/zerodp-<run id>/rank<r>/ and removes it on exit.")
+    pin_memory: bool = Field(False, description="Page-lock the I/O buffers (only with a CUDA device; no effect "
+                             "on a CPU-only machine).")
+    buffer_count: int = Field(4, ge=1, description="I/O buffers of sub_group_size elements per state tensor: "
+                              "3 overlap the read of chunk i+1, the step of chunk i and the write of chunk i-1.")
+    pipeline_read: bool = Field(False, description="DeepSpeed's switch for overlapping reads; zerodp always "
+                                "overlaps (no effect).")
+    pipeline_write: bool = Field(False, description="DeepSpeed's switch for overlapping writes; zerodp always "
+                                 "overlaps (no effect).")
+    fast_init: bool = Field(False, description="DeepSpeed's faster start for nvme; zerodp never writes "
+                            "state before the first step (no effect).")
+    ratio: float = Field(1.0, gt=0.0, le=1.0, description="Fraction of the optimizer state to offload; "
+                         "the first (1 - ratio) of each rank's shard stays in host memory.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "OffloadOptimizerConfig":
+        _check_nvme_path(self.device, self.nvme_path, "offload_optimizer")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.device is not OffloadDevice.NONE
+
+
+class OffloadParamConfig(_Section):
+    """`zero_optimization.offload_param` (stage 3 only): where the partitioned parameter shards live."""
+
+    device: OffloadDevice = Field(OffloadDevice.NONE, description="none: off; cpu: parameter shards in host "
+                                  "memory (same memory as no offload without a GPU); nvme: in files under "
+                                  "nvme_path, read ahead of use in the stage-3 prefetch order.")
+    nvme_path: Optional[str] = Field(None, description="Directory for the files of device 'nvme'.")
+    pin_memory: bool = Field(False, description="Page-lock the I/O buffers (only with a CUDA device).")
+    buffer_count: int = Field(5, ge=1, description="Parameter shards that can be in flight (read or written) "
+                              "at once.")
+    buffer_size: int = Field(100_000_000, ge=1, description="Elements of one I/O buffer; must hold the "
+                             "largest parameter shard.")
+    max_in_cpu: int = Field(1_000_000_000, ge=0, description="Most parameter-shard elements cached in host "
+                            "memory at once (nvme).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "OffloadParamConfig":
+        _check_nvme_path(self.device, self.nvme_path, "offload_param")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.device is not OffloadDevice.NONE
+
+
+class AioConfig(_Section):
+    """DeepSpeed's `aio` section: how NVMe files are read and written."""
+
+    block_size: int = Field(1_048_576, ge=512, description="Bytes per I/O request: a request larger than this "
+                            "is split into block_size pieces issued in parallel.")
+    queue_depth: int = Field(8, ge=1, description="Most I/O requests in flight per thread.")
+    intra_op_parallelism: Optional[int] = Field(None, ge=1, description="I/O threads (newer DeepSpeed name "
+                                                "of thread_count).")
+    thread_count: int = Field(1, ge=1, description="I/O threads (older DeepSpeed name); the larger of the two "
+                              "counts is used.")
+    single_submit: bool = Field(False, description="libaio submission mode; zerodp uses a thread pool of "
+                                "pread/pwrite (no effect).")
+    overlap_events: bool = Field(True, description="libaio event overlap; the thread pool always overlaps "
+                                 "(no effect).")
+    use_gds: bool = Field(False, description="NVIDIA GPUDirect Storage; not available in zerodp (no effect: "
+                          "data always passes through host memory).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AioConfig":
+        if self.block_size % 512:
+            raise ValueError(f"aio.block_size={self.block_size} is not a multiple of 512 bytes (a disk sector); "
+                             f"use a power of two such as 1048576")
+        return self
+
+    @property
+    def io_threads(self) -> int:
+        return max(self.thread_count, self.intra_op_parallelism or 1)
+
+
+def ignored_settings(optimizer: OffloadOptimizerConfig, param: OffloadParamConfig, aio: AioConfig,
+                     has_cuda: bool) -> list[str]:
+    """Keys set in the config that cannot change anything on this machine (reported once by the engine)."""
+    out = []
+    for name, section in (("offload_optimizer", optimizer), ("offload_param", param)):
+        if not section.enabled:
+            continue
+        if section.device is OffloadDevice.CPU and not has_cuda:
+            out.append(f"{name}.device=cpu: without a GPU host memory is the only memory; this runs the offload "
+                       f"code path with the same memory as no offload")
+        if section.pin_memory and not has_cuda:
+            out.append(f"{name}.pin_memory: no CUDA device, nothing to pin for")
+    for key in ("pipeline_read", "pipeline_write", "fast_init"):
+        if optimizer.enabled and key in optimizer.model_fields_set:
+            out.append(f"offload_optimizer.{key}: no effect (zerodp always overlaps I/O and initialises lazily)")
+    for key in ("single_submit", "overlap_events", "use_gds"):
+        if key in aio.model_fields_set:
+            out.append(f"aio.{key}: no effect (zerodp uses a thread pool of pread/pwrite)")
+    return out
+
+
+def check_stage(stage: int, optimizer: OffloadOptimizerConfig, param: OffloadParamConfig) -> None:
+    """offload_param needs stage 3 (only stage 3 partitions parameters); offload_optimizer needs stage 1+."""
+    if param.enabled and stage != 3:
+        raise ValueError(f"offload_param needs stage 3 (only stage 3 partitions parameters), but stage is {stage}; "
+                         f"set zero_optimization.stage to 3 or remove offload_param")
+    if optimizer.enabled and stage == 0:
+        raise ValueError("offload_optimizer needs stage 1, 2 or 3 (stage 0 does not shard the optimizer state); "
+                         "set zero_optimization.stage to at least 1 or remove offload_optimizer")

@@ -1,0 +1,68 @@
+"""Where the model states of an offloaded run live, per rank: device memory, host memory, disk.
+
+zerodp keeps the fp32 master with the parameters (in fp32 it *is* the parameter shard) and offloads
+the elementwise optimizer state (Adam: 8 bytes per element). With Ψ_r = this rank's optimizer shard
+(Ψ/N at stages 1-3), S = state bytes per element, W = window elements (min(sub_group_size, Ψ_r)),
+B = buffer_count:
+    cpu:   host = S Ψ_r                                    (no GPU: host memory is the device memory)
+    nvme:  disk = S Ψ_r ratio,  host = S Ψ_r (1 - ratio) + B W S   (the I/O slots: the working set)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OffloadBytes:
+    """Bytes of offloaded optimizer state of one rank, by tier."""
+
+    host: float
+    disk: float
+
+
+def predict_offload_bytes(shard_numel: float, state_bytes_per_elem: int, device: str, ratio: float = 1.0,
+                          sub_group_size: float = 1e9, buffer_count: int = 4) -> OffloadBytes:
+    """See the module docstring; `device` is 'cpu' or 'nvme'."""
+    state = shard_numel * state_bytes_per_elem
+    if device == "cpu":
+        return OffloadBytes(host=state, disk=0.0)
+    if device != "nvme":
+        raise ValueError(f"offload device must be 'cpu' or 'nvme', got {device!r}")
+    window = min(sub_group_size, shard_numel)
+    return OffloadBytes(host=state * (1 - ratio) + buffer_count * window * state_bytes_per_elem, disk=state * ratio)
+
+
+def render_offload_estimate(numel: float, world_size: int, precision_bytes: tuple[int, int, int], n_states: int,
+                            device: str, stages: tuple[int, ...], sub_group_size: float, buffer_count: int) -> str:
+    """The per-stage table of device / host / disk bytes per rank for `zerodp estimate --offload`."""
+    p, g, k = precision_bytes
+    state = 4 * n_states
+    master = k - state
+    lines = [f"with offload_optimizer.device={device}: the optimizer's elementwise state ({state} bytes per element) "
+             f"leaves the device; the fp32 master ({master} bytes) stays with the parameters",
+             f"(nvme: sub_group_size={sub_group_size:.3g}, buffer_count={buffer_count}; without a GPU, device and "
+             f"host are the same memory)",
+             "| stage | device (GB) | host (GB) | disk (GB) |", "|---|---|---|---|"]
+    for stage in stages:
+        if stage == 0:
+            lines.append("| 0 | offload needs stage 1-3 | | |")
+            continue
+        shard = numel / world_size
+        params = numel * p / (world_size if stage >= 3 else 1)
+        grads = numel * g / (world_size if stage >= 2 else 1)
+        tiers = predict_offload_bytes(shard, state, device, 1.0, sub_group_size, buffer_count)
+        device_bytes = params + grads + shard * master
+        lines.append(f"| {stage} | {device_bytes / 1e9:.3g} | {tiers.host / 1e9:.3g} | {tiers.disk / 1e9:.3g} |")
+    return "\n".join(lines)
+
+
+def offload_report_bytes(engine, numel: int, master_bytes: int, state_bytes: int) -> tuple[float, float]:
+    """(predicted host bytes of the optimizer, predicted disk bytes) of a live offloaded engine."""
+    zero = engine.config.zero_optimization
+    section = zero.offload_optimizer
+    shard = numel / (engine.world_size if engine.stage >= 1 else 1)
+    device = section.device.value
+    tiers = predict_offload_bytes(shard, state_bytes, device, section.ratio if device == "nvme" else 1.0,
+                                  zero.sub_group_size, section.buffer_count)
+    return shard * master_bytes + tiers.host, tiers.disk
