@@ -294,7 +294,14 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
             owned.append(flat)
         if owned or plan.module is model:
             module_units.append(ModuleUnit(plan.module, plan.name, owned, None))
-    strategy = Stage3Sharding(model, module_units, flats, shards, zero.stage3_prefetch_bucket_size,
+    prefetch_numel = zero.stage3_prefetch_bucket_size
+    if prefetch_numel is None:
+        # Default: one unit ahead (the largest unit below the root), as FSDP prefetches. Enough to overlap
+        # each gather with the previous unit's compute; a larger budget only holds more gathered memory
+        # (measured on the 33.7M benchmark GPT: 50M elements ahead, DeepSpeed's default, peaks 110 MiB
+        # higher per rank than one unit ahead).
+        prefetch_numel = max((mu.gathered_numel for mu in module_units if mu.module is not model), default=0)
+    strategy = Stage3Sharding(model, module_units, flats, shards, prefetch_numel,
                               zero.stage3_max_live_parameters, zero.overlap_comm)
     for mu in module_units:
         mu.strategy = strategy
