@@ -23,6 +23,8 @@ from torch import nn
 from . import comm
 from .buckets import GradReducer, ReducePolicy, build_buckets
 from .config import ConfigError, ZeroConfig, load_config
+from .config_auto import resolve_auto
+from .lr_schedules import build_schedule
 from .memory_report import MemoryReport, measure_memory
 from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
 from .optimizer import ShardedOptimizer
@@ -42,6 +44,7 @@ class ZeroEngine:
         self.process_group = process_group
         self.rank = comm.get_rank(process_group)
         self.world_size = comm.get_world_size(process_group)
+        config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config_auto)
         self.stage = config.stage
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = \
             config.resolve_batch(self.world_size)
@@ -72,6 +75,12 @@ class ZeroEngine:
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, gather=self.sharding.after_step)
         self.sharding.attach_optimizer(self.optimizer)  # stage 3: gathered_parameters writes reach the masters
+        # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
+        self.lr_scheduler = None if config.scheduler is None else \
+            build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
+        if self.rank == 0:
+            for note in config._notes:  # keys that change nothing here, said once with the reason
+                log.info("zerodp config: %s", note)
 
     # -- the training loop -----------------------------------------------------------------------
 
@@ -130,6 +139,8 @@ class ZeroEngine:
                 unit.zero_grad()
         self.skipped_steps += 0 if stepped else 1
         self.global_step += 1
+        if stepped and self.lr_scheduler is not None:  # not after an fp16 overflow, as DeepSpeed
+            self.lr_scheduler.step()
         self._maybe_log()
 
     def _maybe_log(self) -> None:
@@ -157,6 +168,10 @@ class ZeroEngine:
     def grad_norm(self) -> Optional[float]:
         """Global gradient norm of the last step, before clipping (None after a skipped step)."""
         return self.optimizer.last_grad_norm
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer param group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
