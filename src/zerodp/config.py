@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from .config_compat import normalize
+from .config_compat import known_deepspeed_names, normalize
 
 
 class ConfigError(ValueError):
@@ -50,7 +50,7 @@ class StrictModel(BaseModel):
                 continue
             if key in _NOT_SUPPORTED:
                 raise ValueError(f"'{key}' is not supported: {_NOT_SUPPORTED[key]}")
-            close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(str(key), sorted(valid | known_deepspeed_names()), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
             raise ValueError(f"unknown key '{key}'{hint}")
         return data

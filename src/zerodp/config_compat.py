@@ -197,6 +197,11 @@ AUTO_AT_START = {
 AUTO_OFF = {"fp16.enabled", "bf16.enabled", "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
 
 
+def known_deepspeed_names() -> set[str]:
+    """Last components of every DeepSpeed key handled here (offered as "did you mean" suggestions)."""
+    return {path.rsplit(".", 1)[-1] for path in (*ALIASES, *NO_EFFECT, *REFUSED)}
+
+
 class Normalized(dict):
     """The mapping left for validation, with `notes` (no-effect keys) and `autos` (deferred "auto" keys)."""
 
