@@ -49,6 +49,8 @@ from . import comm
 from .checkpoint_format import CheckpointError
 from .consolidate import consolidate_checkpoint, consolidate_main, full_state_dict, save_consolidated
 
+LR_SCHEDULER_FILE = "lr_scheduler.pt"  # rank 0: the learning-rate schedule's state_dict (lr_schedules)
+
 __all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
            "consolidate_main", "CheckpointError"]
 
@@ -115,6 +117,8 @@ def _write_rank_files(engine, tmp: Path, client_state: Optional[dict]) -> dict:
         files[fmt.MODEL_STATES_FILE] = fmt.write_tensor_file(tmp / fmt.MODEL_STATES_FILE, cs.model_states(engine))
         if client_state is not None:
             files[fmt.CLIENT_STATE_FILE] = fmt.write_torch(tmp / fmt.CLIENT_STATE_FILE, client_state)
+        if getattr(engine, "lr_scheduler", None) is not None:
+            files[LR_SCHEDULER_FILE] = fmt.write_torch(tmp / LR_SCHEDULER_FILE, engine.lr_scheduler.state_dict())
     return {"segments": segments, "units": units, "files": files}
 
 
@@ -177,9 +181,10 @@ class _LoadPlan:
     module_states: dict[str, torch.Tensor] = field(default_factory=dict)
     rng: Optional[dict] = None
     client_state: dict = field(default_factory=dict)
+    lr_scheduler: Optional[dict] = None
 
 
-def load_checkpoint(engine, load_dir, tag: Optional[str] = None) -> dict:
+def load_checkpoint(engine, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
     """Resume `engine` from a checkpoint saved at any world size or stage; returns its client_state.
 
     Every rank must call it. On any error (raised as CheckpointError on every rank) the engine and
@@ -188,6 +193,8 @@ def load_checkpoint(engine, load_dir, tag: Optional[str] = None) -> dict:
     plan, error = None, None
     try:
         plan = _prepare_load(engine, load_dir, tag)
+        if not load_lr_scheduler:
+            plan.lr_scheduler = None
     except Exception as err:  # agreed on below: either every rank applies, or none does
         error = err
     messages = comm.all_gather_object(None if error is None else _message(error), engine.process_group)
@@ -235,6 +242,8 @@ def _prepare_load(engine, load_dir, tag: Optional[str]) -> _LoadPlan:
         plan.rng = files.read_json(fmt.rng_file(engine.rank))
     if files.has(fmt.CLIENT_STATE_FILE):
         plan.client_state = files.read_torch(fmt.CLIENT_STATE_FILE)
+    if files.has(LR_SCHEDULER_FILE):
+        plan.lr_scheduler = files.read_torch(LR_SCHEDULER_FILE)
     return plan
 
 
@@ -257,6 +266,8 @@ def _apply_load(engine, plan: _LoadPlan) -> None:
     for key, value in plan.module_states.items():
         live[key].data.copy_(value)
     engine.scaler.load_state_dict(meta["loss_scaler"])
+    if plan.lr_scheduler is not None and getattr(engine, "lr_scheduler", None) is not None:
+        engine.lr_scheduler.load_state_dict(plan.lr_scheduler)
     counters = meta["counters"]
     engine.global_step = counters["global_step"]
     engine.skipped_steps = counters["skipped_steps"]

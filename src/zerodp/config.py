@@ -17,7 +17,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from .config_compat import known_deepspeed_names, normalize
 
 from .offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
 
@@ -29,16 +31,8 @@ class ConfigError(ValueError):
 # Keys DeepSpeed accepts that zerodp deliberately does not (yet) implement. Refusing them by name is
 # kinder than "unknown key": the user learns the feature exists but is not available here.
 _NOT_SUPPORTED = {
-    "round_robin_gradients": "zerodp reduces whole buckets; remove the key",
-    "zero_quantized_weights": "quantized communication (ZeRO++) is not implemented; remove the key",
-    "zero_quantized_gradients": "quantized communication (ZeRO++) is not implemented; remove the key",
-    "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++) is not implemented; remove the key",
-    "mics_shard_size": "MiCS is not implemented; remove the key",
-    "stage3_max_reuse_distance": "zerodp releases a unit after its forward and prefetches by recorded order "
-                                 "(stage3_prefetch_bucket_size, stage3_max_live_parameters); remove the key",
-    "stage3_gather_16bit_weights_on_model_save": "checkpoints are always consolidatable: use "
-                                                 "engine.full_state_dict() or `zerodp consolidate`; remove the key",
 }
+# (Keys that change nothing, aliases and other missing features: see `config_compat`.)
 
 
 class NonFinitePolicy(str, Enum):
@@ -65,7 +59,7 @@ class StrictModel(BaseModel):
                 continue
             if key in _NOT_SUPPORTED:
                 raise ValueError(f"'{key}' is not supported: {_NOT_SUPPORTED[key]}")
-            close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(str(key), sorted(valid | known_deepspeed_names()), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
             raise ValueError(f"unknown key '{key}'{hint}")
         return data
@@ -96,15 +90,23 @@ class OptimizerSection(StrictModel):
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer.")
 
 
+class SchedulerSection(StrictModel):
+    """DeepSpeed's `scheduler` section: the engine steps it after every optimizer step (`zerodp.lr_schedules`)."""
+
+    type: str = Field(description="WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest.")
+    params: dict[str, Any] = Field(default_factory=dict, description="The schedule's parameters, as in DeepSpeed.")
+
+
 class ZeroOptimizationConfig(StrictModel):
     """DeepSpeed's `zero_optimization` section."""
 
     stage: int = Field(0, ge=0, le=3, description="0: plain data parallel; 1: shard optimizer state; "
                        "2: also shard gradients; 3: also shard parameters.")
-    reduce_bucket_size: int = Field(5_000_000, ge=1, description="Elements per gradient bucket; a bucket is "
-                                    "reduced as soon as all its gradients are ready. zerodp's default (5e6) is "
-                                    "smaller than DeepSpeed's (5e8) so that stage 2 frees each full gradient bucket "
-                                    "early: on the 33.7M-parameter benchmark GPT its peak is 97 MiB lower per rank.")
+    reduce_bucket_size: int = Field(5_000_000, ge=0, description="Elements per gradient bucket; a bucket is "
+                                    "reduced as soon as all its gradients are ready (stages 0-2; at least 1). zerodp's "
+                                    "default (5e6) is smaller than DeepSpeed's (5e8) so that stage 2 frees each full "
+                                    "gradient bucket early: on the 33.7M-parameter benchmark GPT its peak is 97 MiB "
+                                    "lower per rank.")
     allgather_bucket_size: int = Field(500_000_000, ge=1, description="Most elements one all-gather of updated "
                                        "parameters moves (stages 1-2); larger buckets are gathered in chunks.")
     overlap_comm: bool = Field(True, description="Launch each bucket's (stage 3: each unit's) reduction "
@@ -134,8 +136,12 @@ class ZeroOptimizationConfig(StrictModel):
                                                       "Offload / ZeRO-Infinity: optimizer state in host memory or files.")
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig, description="Stage 3: "
                                               "parameter shards in host memory or files.")
-    sub_group_size: int = Field(1_000_000_000, ge=1, description="Elements per chunk that an offloaded optimizer "
-                                "step streams (read, step, write); bounds the optimizer's working set in RAM.")
+    sub_group_size: int = Field(1_000_000_000, ge=0, description="Elements per chunk that an offloaded optimizer "
+                                "step streams (read, step, write); bounds the optimizer's working set in RAM. 0: "
+                                "the smallest chunks (DeepSpeed: one tensor per sub-group).")
+    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Make save_16bit_model (and every "
+                                                            "save_checkpoint, as DeepSpeed does) also write the "
+                                                            "consolidated weights in the compute dtype as safetensors.")
 
     @model_validator(mode="after")
     def _check_honourable(self) -> "ZeroOptimizationConfig":
@@ -143,6 +149,9 @@ class ZeroOptimizationConfig(StrictModel):
             raise ValueError("contiguous_gradients=false is not supported: zerodp always reduces contiguous "
                              "buckets (it costs no extra memory); remove the key or set it to true")
         check_stage(self.stage, self.offload_optimizer, self.offload_param)
+        if self.stage < 3 and self.reduce_bucket_size == 0:
+            raise ValueError("reduce_bucket_size=0 is only meaningful at stage 3 (where buckets are not used); "
+                             "write a number of elements, e.g. 500000000")
         bucket_keys = sorted({"reduce_bucket_size", "allgather_bucket_size"} & self.model_fields_set)
         if self.stage == 3 and bucket_keys:
             # DeepSpeed configs often carry these; at stage 3 zerodp communicates per module unit instead
@@ -169,6 +178,9 @@ class ZeroConfig(StrictModel):
                                                       description="ZeRO stage and communication settings.")
     optimizer: Optional[OptimizerSection] = Field(None, description="Build the optimizer from the config.")
     aio: AioConfig = Field(default_factory=AioConfig, description="How offload files are read and written.")
+    scheduler: Optional[SchedulerSection] = Field(None, description="Learning-rate schedule stepped by the engine.")
+    dataloader_drop_last: bool = Field(False, description="zerodp.deepspeed.initialize(training_data=...): drop the "
+                                       "last incomplete batch of the data loader it builds.")
     zero_allow_untested_optimizer: bool = Field(False, description="Allow an optimizer class zerodp does not "
                                                 "know to be elementwise (you assert its update is per element).")
     steps_per_print: Optional[int] = Field(None, ge=1, description="Log loss scale, grad norm and step time "
@@ -184,6 +196,10 @@ class ZeroConfig(StrictModel):
                                        "parameter; skip: skip the step on every rank with a warning. (fp16 always "
                                        "skips and lowers the loss scale.)")
 
+
+    # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config_auto resolves.
+    _notes: list[str] = PrivateAttr(default_factory=list)
+    _autos: set[str] = PrivateAttr(default_factory=set)
 
     @model_validator(mode="after")
     def _check_precision(self) -> "ZeroConfig":
@@ -249,8 +265,12 @@ def _read_file(path: Path) -> dict:
     return data
 
 
-def load_config(source: Union["ZeroConfig", dict, str, Path, None]) -> ZeroConfig:
-    """Build a validated ZeroConfig from a ZeroConfig, a dict, or a path to a .json/.yaml file."""
+def load_config(source: Union["ZeroConfig", dict, str, Path, None], auto_values: Optional[dict] = None) -> ZeroConfig:
+    """Build a validated ZeroConfig from a ZeroConfig, a dict, or a path to a .json/.yaml file.
+
+    DeepSpeed's aliases, no-effect keys and "auto" values are handled by `config_compat.normalize`;
+    `auto_values` ({dotted key: value}) fills "auto" keys first, as an integration (HF's Trainer) would.
+    """
     if isinstance(source, ZeroConfig):
         return source
     if source is None:
@@ -265,10 +285,26 @@ def load_config(source: Union["ZeroConfig", dict, str, Path, None]) -> ZeroConfi
 
     if is_vissl(data):
         data = translate_vissl(data)
+    data = normalize(_fill_auto(data, auto_values or {}), ConfigError)
     try:
-        return ZeroConfig.model_validate(data)
+        config = ZeroConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
+    config._notes, config._autos = list(data.notes), set(data.autos)
+    return config
+
+
+def _fill_auto(data: dict, values: dict) -> dict:
+    """Replace "auto" at each dotted key of `values` with its value (other keys are left alone)."""
+    data = json.loads(json.dumps(data)) if values else data
+    for path, value in values.items():
+        *parents, last = path.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(last) == "auto":
+            node[last] = value
+    return data
 
 
 def reference_markdown(model: type[BaseModel] = ZeroConfig, prefix: str = "") -> str:

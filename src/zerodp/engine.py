@@ -23,6 +23,8 @@ from torch import nn
 from . import comm, watchdog
 from .buckets import GradReducer, ReducePolicy, build_buckets
 from .config import ConfigError, ZeroConfig, load_config
+from .config_auto import resolve_auto
+from .lr_schedules import build_schedule
 from .memory_report import MemoryReport, measure_memory
 from .nonfinite import NonFiniteError, NonFinitePolicy, check_hyperparameters, describe
 from .offload.build import build_optimizer_offload
@@ -47,6 +49,7 @@ class ZeroEngine:
         watchdog.configure(config.comm_timeout_s, config.zero_optimization.debug_sync, rank=self.rank)
         watchdog.activity.enter("setup")
         _check_same_model(model, process_group)
+        config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config_auto)
         self.stage = config.stage
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = \
             config.resolve_batch(self.world_size)
@@ -82,6 +85,12 @@ class ZeroEngine:
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, gather=self.sharding.after_step,
             offload=offload)
         self.sharding.attach_optimizer(self.optimizer)  # stage 3: gathered_parameters writes reach the masters
+        # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
+        self.lr_scheduler = None if config.scheduler is None else \
+            build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
+        if self.rank == 0:
+            for note in config._notes:  # keys that change nothing here, said once with the reason
+                log.info("zerodp config: %s", note)
 
     # -- the training loop -----------------------------------------------------------------------
 
@@ -153,6 +162,8 @@ class ZeroEngine:
         self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
         watchdog.activity.global_step = self.global_step
+        if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
+            self.lr_scheduler.step()
         self._maybe_log()
 
     def _on_nonfinite(self) -> None:
@@ -193,6 +204,10 @@ class ZeroEngine:
     def grad_norm(self) -> Optional[float]:
         """Global gradient norm of the last step, before clipping (None after a skipped step)."""
         return self.optimizer.last_grad_norm
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer param group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerodp.config import reference_markdown
+from zerodp.config import _NOT_SUPPORTED, ZeroConfig, reference_markdown
+from zerodp.config_compat import compat_markdown
 
 CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 HEADER = """# Configuration reference
@@ -22,8 +23,20 @@ the same thing, and an unknown key is an error that names the closest valid one.
 """
 
 
+def _honoured_keys(model=ZeroConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and hasattr(ann, "model_fields") and name not in ("optimizer", "scheduler"):
+            keys += _honoured_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
 def render_config_doc() -> str:
-    return HEADER + reference_markdown() + "\n"
+    refused = {f"zero_optimization.{k}": v for k, v in _NOT_SUPPORTED.items()}
+    return HEADER + reference_markdown() + "\n\n" + compat_markdown(_honoured_keys(), refused) + "\n"
 
 
 def test_config_doc_is_current():

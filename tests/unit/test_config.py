@@ -45,7 +45,6 @@ def test_yaml_file(tmp_path):
     ({"gradient_clipping": -1}, "gradient_clipping: Input should be greater than or equal to 0"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer needs stage 1, 2 or 3"),
-    ({"zero_optimization": {"round_robin_gradients": True}}, "zerodp reduces whole buckets"),
     ({"zero_optimization": {"contiguous_gradients": False}}, "contiguous_gradients=false is not supported"),
 ])
 def test_bad_keys_and_values_name_the_problem(bad, fragment):

@@ -50,7 +50,7 @@ def test_deepspeed_infinity_config_loads():
     ({"stage": 3, "offload_param": {"device": "cpu", "buffer_size": 0}}, {}, "buffer_size"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}, {}, "ratio"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_cnt": 2}}, {}, "did you mean 'buffer_count'"),
-    ({"stage": 2, "sub_group_size": 0}, {}, "sub_group_size"),
+    ({"stage": 2, "sub_group_size": -1}, {}, "sub_group_size"),
     ({"stage": 2}, {"block_size": 1000}, "multiple of 512"),
     ({"stage": 2}, {"queue_depth": 0}, "queue_depth"),
 ])

@@ -17,6 +17,7 @@ from .. import comm
 from ..config import ConfigError, ZeroConfig
 from ..optim.build import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
+from ..optimizer import OPTIMIZER_CHUNK_NUMEL
 from .config import OffloadDevice, ignored_settings
 from .file_io import FileIO
 from .optimizer_state import OffloadedOptimizerState
@@ -62,13 +63,15 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
                           f"needs whole-parameter norms over the full shard in one step; use an elementwise "
                           f"optimizer (Adam, AdamW, SGD, ...) or remove offload_optimizer")
     numel = sum(u.param_shard.numel() for u in units)
+    # DeepSpeed reads sub_group_size 0 as the smallest groups (one tensor each): here, one optimizer chunk
+    window = min(zero.sub_group_size or OPTIMIZER_CHUNK_NUMEL, max(numel, 1))
     # cpu: all of it in host memory; nvme: the first (1 - ratio) in host memory, the rest in files
     host_fraction = 1.0 if section.device is OffloadDevice.CPU else 1.0 - section.ratio
     pin = section.pin_memory and torch.cuda.is_available()
     rank_dir = None
     if section.device is OffloadDevice.NVME:
         key = "zero_optimization.offload_optimizer.nvme_path"
-        needed = predicted_state_bytes(int(numel * section.ratio) + zero.sub_group_size, user_optimizer)
+        needed = predicted_state_bytes(int(numel * section.ratio), user_optimizer)  # the files; windows are RAM
         error = None
         try:
             check_nvme_path(section.nvme_path, key, needed * _ranks_on_this_disk(process_group))
@@ -89,7 +92,7 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
         return host, FileStore(rank_dir, file_numel, io, prefix="optimizer.")
 
     owned = (io,) if rank_dir is None else (io, rank_dir)
-    return OffloadedOptimizerState(min(zero.sub_group_size, max(numel, 1)), section.buffer_count, make_stores,
+    return OffloadedOptimizerState(window, section.buffer_count, make_stores,
                                    host_fraction, pin, owned)
 
 

@@ -2,5 +2,7 @@
 
 from .lamb import LAMB
 from .larc import LARC
+from .fused_adam import FusedAdam
+from .fused_lamb import FusedLamb
 
-__all__ = ["LARC", "LAMB"]
+__all__ = ["LARC", "LAMB", "FusedAdam", "FusedLamb"]

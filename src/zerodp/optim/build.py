@@ -14,14 +14,17 @@ from typing import Any, Callable, Union
 
 import torch
 
+from .deepspeed_types import build_deepspeed_type, check_no_auto
+from .fused_adam import FusedAdam
+from .fused_lamb import FusedLamb
 from .lamb import LAMB
 from .larc import LARC
 
 # Elementwise updates: exact on any flat layout. (Adafactor, LBFGS, SparseAdam, Muon are not.)
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
                torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
-               torch.optim.Rprop)
-SHARD_AWARE = (LAMB,)
+               torch.optim.Rprop, FusedAdam)
+SHARD_AWARE = (LAMB, FusedLamb)
 
 _BY_NAME = {cls.__name__.lower(): cls for cls in ELEMENTWISE + SHARD_AWARE}
 
@@ -47,8 +50,13 @@ def check_supported(optimizer: OptimizerLike, allow_untested: bool) -> None:
 def build_from_section(section_type: str, params: dict, model_params) -> OptimizerLike:
     """Build an optimizer from DeepSpeed's `optimizer: {type, params}` (plus `larc: {...}` for LARC)."""
     params = dict(params)
-    params.pop("torch_adam", None)  # DeepSpeed's switch between its fused kernel and torch's Adam
+    check_no_auto(section_type, params)
     larc = params.pop("larc", None)
+    if larc is None:  # DeepSpeed's own types, with DeepSpeed's meaning (Adam is decoupled, Lamb is FusedLamb)
+        built = build_deepspeed_type(section_type, params, model_params)
+        if built is not None:
+            return built
+    params.pop("torch_adam", None)  # DeepSpeed's switch between its fused kernel and torch's Adam
     name = section_type.lower()
     if name == "larc":
         name, larc = "sgd", larc or {}
@@ -109,7 +117,7 @@ def state_numel_per_param(optimizer: OptimizerLike) -> int:
     """Elements of per-element optimizer state the optimizer keeps (Adam: 2 moments; SGD+momentum: 1)."""
     inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
     d = inner.defaults
-    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, FusedAdam, FusedLamb)):
         return 3 if d.get("amsgrad") else 2
     if isinstance(inner, torch.optim.SGD):
         return 1 if d.get("momentum", 0) else 0

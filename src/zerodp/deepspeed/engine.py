@@ -1,0 +1,249 @@
+"""`DeepSpeedEngine`: DeepSpeed's engine methods over a `ZeroEngine`.
+
+Differences from DeepSpeed, on purpose, all in one place:
+  - every stage is exact (equal to plain PyTorch on the global batch); there are no fused kernels;
+  - `load_checkpoint` loads at any world size or stage (DeepSpeed needs universal checkpoints);
+  - `save_16bit_model` works at every stage, also without `stage3_gather_16bit_weights_on_model_save`
+    (DeepSpeed saves nothing at stage 3 without it); a `.safetensors` name writes safetensors, any
+    other name `torch.save`s the state dict, as DeepSpeed does;
+  - `load_optimizer_states=False` and `load_module_only=True` are refused (not implemented).
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..checkpoint import load_checkpoint as _load_checkpoint
+from ..checkpoint import save_checkpoint as _save_checkpoint
+from ..config import ConfigError
+from ..engine import ZeroEngine
+
+# Which engine trains a parameter (for zerodp.deepspeed.utils' per-parameter getters).
+ENGINE_OF_PARAM: "weakref.WeakValueDictionary[int, DeepSpeedEngine]" = weakref.WeakValueDictionary()
+
+
+class ClientSchedule:
+    """A scheduler object the user built on their own optimizer: stepped by the engine, its group
+    hyper-parameters (lr, betas, momentum, ...) copied into the engine's optimizer after each step."""
+
+    def __init__(self, scheduler: Any, engine: ZeroEngine) -> None:
+        self.scheduler, self.engine = scheduler, engine
+        self._sync()
+
+    def _sync(self) -> None:
+        source = getattr(self.scheduler, "optimizer", None)
+        inner = self.engine.optimizer
+        if source is None or source is inner.optimizer:
+            return
+        for inner_group, user_index in zip(inner.param_groups, inner.group_indices):
+            inner_group.update({k: v for k, v in source.param_groups[user_index].items() if k != "params"})
+
+    def step(self, *args, **kwargs) -> None:
+        self.scheduler.step(*args, **kwargs)
+        self._sync()
+
+    def get_last_lr(self):
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+        self._sync()
+
+
+class DeepSpeedEngine:
+    """What DeepSpeed training scripts call on the engine `deepspeed.initialize` returns."""
+
+    def __init__(self, engine: ZeroEngine, lr_scheduler: Any = None) -> None:
+        self.engine = engine
+        if lr_scheduler is not None:
+            # a callable is built on the engine's optimizer, as DeepSpeed calls it with its basic optimizer
+            built = lr_scheduler(engine.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(
+                lr_scheduler, "step") else lr_scheduler
+            engine.lr_scheduler = ClientSchedule(built, engine)
+        for p in engine.module.parameters():
+            ENGINE_OF_PARAM[id(p)] = self
+
+    # -- the training loop ---------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor, **unused) -> torch.Tensor:
+        self.engine.backward(loss)
+        return loss
+
+    def step(self, lr_kwargs=None) -> None:
+        self.engine.step()
+
+    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> "DeepSpeedEngine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def zero_grad(self) -> None:
+        """Gradients are zeroed by step() at each boundary; nothing to do (as with DeepSpeed's engine)."""
+
+    # -- attributes and figures ----------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def optimizer(self):
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self):
+        return self.engine.lr_scheduler
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def global_rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def local_rank(self) -> int:
+        import os
+
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def device(self) -> torch.device:
+        first = next(self.module.parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_step
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_step
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    def train_batch_size(self) -> int:
+        return self.engine.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_accumulation_boundary
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self.engine.grad_norm
+
+    def fp16_enabled(self) -> bool:
+        return self.engine.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.stage
+
+    def zero_optimization(self) -> bool:
+        return self.engine.stage > 0
+
+    def __getattr__(self, name: str):
+        # anything else zerodp's engine has (memory_report, full_state_dict, timings, ...)
+        return getattr(self.__dict__["engine"], name)
+
+    # -- data ------------------------------------------------------------------------------------------
+    def deepspeed_io(self, dataset, batch_size: Optional[int] = None, route=None, pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers=None):
+        """A DataLoader of micro-batches: each rank reads its own part of `dataset` (DistributedSampler)."""
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sampler = data_sampler or DistributedSampler(dataset, num_replicas=self.world_size, rank=self.global_rank)
+        return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), sampler=sampler,
+                          collate_fn=collate_fn, drop_last=self.engine.config.dataloader_drop_last,
+                          pin_memory=pin_memory and torch.cuda.is_available(), num_workers=num_local_io_workers or 0)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Every rank calls it; writes save_dir/tag (zerodp's sharded format) and, with
+        stage3_gather_16bit_weights_on_model_save, the 16-bit weights next to it. Returns True."""
+        if not save_latest:
+            raise ConfigError("save_checkpoint(save_latest=False) is not supported: zerodp's commit point is the "
+                              "'latest' file; remove the argument")
+        path = _save_checkpoint(self.engine, save_dir, tag=None if tag is None else str(tag),
+                                client_state=dict(client_state or {}))
+        if self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            self.save_16bit_model(path, "model.safetensors")
+        return True
+
+    def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Resume from save_dir (the 'latest' tag unless `tag`); returns (path, client_state)."""
+        if not load_optimizer_states or load_module_only or not load_module_strict or custom_load_fn is not None:
+            raise ConfigError("load_checkpoint: loading only the module (load_optimizer_states=False, "
+                              "load_module_only=True, load_module_strict=False, custom_load_fn) is not implemented; "
+                              "load the weights with zerodp.consolidate_checkpoint(path) and model.load_state_dict")
+        from ..checkpoint_format import resolve_tag_dir
+
+        path = resolve_tag_dir(load_dir, None if tag is None else str(tag))
+        client_state = _load_checkpoint(self.engine, load_dir, tag=None if tag is None else str(tag),
+                                        load_lr_scheduler=load_lr_scheduler_states)
+        return str(path), client_state
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the whole model's weights in the compute dtype (rank 0); every rank must call it."""
+        state = self.engine.full_state_dict(rank0_only=True)
+        if self.global_rank == 0:
+            dtype = {True: torch.float16}.get(self.fp16_enabled(), torch.bfloat16 if self.bfloat16_enabled()
+                                              else torch.float32)
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            out = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().clone() for k, v in state.items()
+                   if not (exclude_frozen_parameters and k in frozen)}
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.suffix == ".safetensors":
+                from safetensors.torch import save_file
+
+                save_file(out, str(path), metadata={"format": "pt"})
+            else:
+                torch.save(out, path)
+        from .comm import barrier
+
+        barrier(self.engine.process_group)
+        return True

@@ -1,0 +1,64 @@
+"""`deepspeed.zero.Init` and `deepspeed.zero.GatheredParameters` over zerodp's stage-3 equivalents."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+from ..config import ConfigError
+from ..stage3 import gathered_parameters, init_context
+
+
+class Init(contextlib.ContextDecorator):
+    """Create parameters already partitioned (ZeRO stage 3): `with deepspeed.zero.Init(config_dict_or_path=cfg):`.
+
+    zerodp needs the stage-3 config (for the persistence threshold and dtype); pass it as
+    `config_dict_or_path` or `config`, as DeepSpeed recommends. `enabled=False` does nothing.
+    """
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True, remote_device=None,
+                 pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype=None, mpu=None, **unused) -> None:
+        if module is not None:
+            raise ConfigError("zero.Init(module=...) partitions an existing model in DeepSpeed; zerodp partitions "
+                              "it in zerodp.deepspeed.initialize instead: create the model normally")
+        if remote_device not in (None, "none"):
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): parameter offload is not implemented")
+        self.enabled = enabled
+        self.config = config_dict_or_path if config_dict_or_path is not None else config
+        if enabled and self.config is None:
+            raise ConfigError("zero.Init needs the stage-3 config: zero.Init(config_dict_or_path=ds_config)")
+        self.group = data_parallel_group
+        self._ctx = None
+
+    def __enter__(self):
+        if self.enabled:
+            self._ctx = init_context(self.config, self.group)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            return ctx.__exit__(*exc)
+        return False
+
+
+class GatheredParameters(contextlib.ContextDecorator):
+    """Gather partitioned parameters for the block; writes on `modifier_rank` reach every rank after it."""
+
+    def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module=None, enabled: bool = True) -> None:
+        self.params, self.modifier_rank, self.enabled = params, modifier_rank, enabled
+        self._ctx = None
+
+    def __enter__(self):
+        if self.enabled:
+            self._ctx = gathered_parameters(self.params, modifier_rank=self.modifier_rank)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            return ctx.__exit__(*exc)
+        return False
