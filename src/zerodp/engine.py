@@ -258,4 +258,8 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
                process_group: comm.ProcessGroup = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training as `config` says; see the README's quick start."""
     comm.init_distributed()
+    if optimizer is None:  # a VISSL file builds VISSL's param groups, which needs the model
+        from .config_vissl import vissl_initialize_args
+
+        optimizer, config = vissl_initialize_args(model, config)
     return ZeroEngine(model, optimizer, load_config(config), process_group)
