@@ -213,6 +213,9 @@ def resolve(user: dict, defaults: dict, check: Callable) -> "VisslSetup":  # noq
                    "update_interval": "step"}
     else:
         lr_spec = _scaled_schedule(opt["param_schedulers"]["lr"], cfg, notes)
+    from .vissl_schedule import build_schedule
+
+    build_schedule(lr_spec, int(opt["num_epochs"]))  # a bad schedule fails here, at load, not mid-training
     return VisslSetup(zero_config=out, optimizer=spec, lr_schedule_spec=lr_spec, num_epochs=int(opt["num_epochs"]),
                       update_interval=str(lr_spec.get("update_interval", "epoch")), read=read, ignored=ignored,
                       notes=notes)
@@ -220,6 +223,7 @@ def resolve(user: dict, defaults: dict, check: Callable) -> "VisslSetup":  # noq
 
 def _fsdp(fsdp: dict, zero: dict, notes: list[str]) -> None:
     """MODEL.FSDP_CONFIG at stage 3: each key honoured, or reported with what zerodp does instead."""
+    zero["stage3_param_persistence_threshold"] = 0  # FSDP shards every parameter of a wrapped module
     if int(fsdp["AUTO_WRAP_THRESHOLD"]) > 0:
         zero["stage3_unit_min_params"] = int(fsdp["AUTO_WRAP_THRESHOLD"])  # same meaning: big modules get a unit
     if fsdp["FORCE_SYNC_CUDA"]:
