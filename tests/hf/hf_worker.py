@@ -120,7 +120,8 @@ def resume(out: str) -> None:
     from safetensors.torch import load_file
 
     checkpoint = f"{out}/stage3/checkpoint-{SAVE_STEPS}"
-    trainer = ZeroTrainer(model=make_model(), args=arguments(f"{out}/resumed"), train_dataset=Sequences(),
+    trainer = ZeroTrainer(model=make_model(), args=arguments(f"{out}/resumed", eval_strategy="no"),
+                          train_dataset=Sequences(),
                           zero_config=zero_config(3))
     probe = FirstStepProbe(trainer)
     trainer.add_callback(probe)
