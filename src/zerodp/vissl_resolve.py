@@ -23,13 +23,6 @@ from .vissl_schedule import _float
 _OPTIMIZERS = {"sgd", "sgd_fsdp", "adam", "adamw"}
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
-
-
 def _flatten_optimizer(opt: dict, check) -> dict:
     """VISSL's nested ZeRO form (`name: zero`, `base_optimizer: {...}`) back to the flat form."""
     if "base_optimizer" not in opt:
@@ -110,7 +103,7 @@ def _check_schedule(section: str, spec: dict, check, allowed) -> None:
 
 
 def resolve(user: dict, defaults: dict, check: Callable) -> "VisslSetup":  # noqa: F821
-    from .config_vissl import _READ_MODEL, _SCHEDULE_KEYS, _TOP_KEYS, VisslSetup, _close
+    from .config_vissl import _READ_MODEL, _SCHEDULE_KEYS, _TOP_KEYS, VisslSetup, _close, _merge
 
     read, notes = ["OPTIMIZER"], []
     ignored = sorted(k for k in user if k not in ("OPTIMIZER", "MODEL", "USE_SDP", "DATA"))

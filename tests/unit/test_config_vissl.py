@@ -16,7 +16,8 @@ from zerodp.vissl_defaults import VISSL_DEFAULTS
 from zerodp.vissl_params import vissl_param_groups
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vissl"
-SWAV, SIMCLR, SEER = CONFIGS / "swav_8node_resnet.yaml", CONFIGS / "simclr_8node_resnet.yaml", CONFIGS / "seer_regnet10B.yaml"
+SWAV, SIMCLR = CONFIGS / "swav_8node_resnet.yaml", CONFIGS / "simclr_8node_resnet.yaml"
+SEER = CONFIGS / "seer_regnet10B.yaml"
 FULLTUNE, FULLTUNE_10B = CONFIGS / "fulltune_in1k_resnet.yaml", CONFIGS / "fulltune_in1k_regnet10B.yaml"
 
 
