@@ -228,6 +228,11 @@ class WorkerPool:
                 except EOFError:
                     raise self._died(rank, what) from None
                 if status == "error":
+                    # A rank whose peer died fails with "connection closed"; the dead peer is the news.
+                    # Its exit may reach us a moment after this reply, so give it that moment.
+                    dead = connection.wait(list(sentinels), timeout=2.0)
+                    if dead:
+                        raise self._died(sentinels[dead[0]], what)
                     raise WorkerError(
                         f"rank {rank} of {self.world_size} failed in {what}; remote traceback:\n"
                         f"{payload}"

@@ -110,11 +110,13 @@ def test_vissl_dialect(tmp_path):
     assert load_config(path).stage == 1  # OPTIMIZER.name: zero alone is optimizer-state sharding
 
 
-def test_vissl_unknown_key_and_missing_lr():
+def test_vissl_unknown_key_and_vissl_defaults():
     with pytest.raises(ConfigError, match="did you mean 'use_larc'"):
         load_config({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd", "use_lars": True}}})
-    with pytest.raises(ConfigError, match="constant learning rate"):
-        load_config({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd"}}})
+    # Absent keys take VISSL's defaults (defaults.yaml): the multistep schedule starts at 0.1, momentum 0.9,
+    # weight decay 1e-4 (never silent zeros).
+    params = load_config({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd"}}}).optimizer.params
+    assert params == {"lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 1e-4}
 
 
 def test_reference_lists_every_key():

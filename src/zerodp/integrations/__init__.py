@@ -1,0 +1,4 @@
+"""Integrations with training frameworks (optional extras; the core never imports them).
+
+    zerodp.integrations.transformers.ZeroTrainer   Hugging Face Trainer training with zerodp (`zerodp[hf]`)
+"""

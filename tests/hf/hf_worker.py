@@ -1,0 +1,142 @@
+"""One rank of the ZeroTrainer acceptance runs (launched by tests/hf/test_zero_trainer.py via torchrun).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/hf/hf_worker.py train OUT
+        trains a tiny GPT-2 (from a config, no download) with the plain Trainer (DDP) and with ZeroTrainer
+        at stages 2 and 3 on the same arguments and seed; writes OUT/results.json (rank 0)
+    python -m torch.distributed.run --nproc_per_node 3 tests/hf/hf_worker.py resume OUT
+        resumes the stage-3 run from OUT/stage3/checkpoint-3 on 3 ranks; writes OUT/resume.json
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from zerodp.integrations.transformers import ZeroTrainer
+
+SEQ, VOCAB, ROWS, MAX_STEPS, SAVE_STEPS = 12, 48, 96, 6, 3
+
+
+def make_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+class Sequences(torch.utils.data.Dataset):
+    """Arithmetic progressions mod VOCAB: learnable, so the loss falls within a few steps."""
+
+    def __init__(self, rows: int = ROWS, seed: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (rows, 1), generator=g)
+        step = torch.randint(1, 4, (rows, 1), generator=g)
+        self.ids = (start + step * torch.arange(SEQ)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def arguments(out: str, **overrides) -> TrainingArguments:
+    kw = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=MAX_STEPS,
+              learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01, max_grad_norm=1.0,
+              logging_steps=1, save_steps=SAVE_STEPS, eval_strategy="steps", eval_steps=SAVE_STEPS,
+              per_device_eval_batch_size=4, seed=0, report_to=[], use_cpu=True, ddp_backend="gloo",
+              dataloader_drop_last=True, save_only_model=False, disable_tqdm=True)
+    kw.update(overrides)
+    return TrainingArguments(**kw)
+
+
+def history(trainer) -> dict:
+    logs = trainer.state.log_history
+    return {"loss": [e["loss"] for e in logs if "loss" in e], "lr": [e["learning_rate"] for e in logs if "loss" in e],
+            "grad_norm": [float(e["grad_norm"]) for e in logs if "loss" in e],
+            "eval_loss": [e["eval_loss"] for e in logs if "eval_loss" in e],
+            "steps": [e["step"] for e in logs if "loss" in e]}
+
+
+ZERO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "train_batch_size": "auto", "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": None, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto", "stage3_unit_modules": ["GPT2Block"]}}
+
+
+def zero_config(stage: int) -> dict:
+    config = json.loads(json.dumps(ZERO))
+    config["zero_optimization"]["stage"] = stage
+    if stage != 3:
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_unit_modules"):
+            del config["zero_optimization"][key]
+    else:
+        del config["zero_optimization"]["reduce_bucket_size"]
+    return config
+
+
+def train(out: str) -> None:
+    data, evaluation = Sequences(), Sequences(rows=16, seed=4)
+    results = {}
+    plain = Trainer(model=make_model(), args=arguments(f"{out}/ddp"), train_dataset=data, eval_dataset=evaluation)
+    plain.train()
+    results["ddp"] = history(plain)
+    probe = torch.arange(SEQ).unsqueeze(0) % VOCAB
+    for stage in (2, 3):
+        trainer = ZeroTrainer(model=make_model(), args=arguments(f"{out}/stage{stage}"), train_dataset=data,
+                              eval_dataset=evaluation, zero_config=zero_config(stage))
+        trainer.train()
+        results[f"stage{stage}"] = history(trainer)
+        results[f"stage{stage}_zero"] = trainer.engine.config.zero_optimization.model_dump()
+        trainer.save_model(f"{out}/stage{stage}/final")
+        trainer.model.eval()
+        with torch.no_grad():
+            live = trainer.model(probe).logits  # stage 3: gathered by zerodp's hooks on every rank
+        if dist.get_rank() == 0:
+            loaded = AutoModelForCausalLM.from_pretrained(f"{out}/stage{stage}/final")
+            with torch.no_grad():
+                results[f"stage{stage}_logits_maxdiff"] = (loaded(probe).logits - live).abs().max().item()
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(f"{out}/results.json", "w") as fh:
+            json.dump(results, fh)
+
+
+class FirstStepProbe(TrainerCallback):
+    """Records the full parameters at the first step after the resume (collective: every rank calls it)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.params = trainer, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.params is None:
+            self.params = self.trainer.engine.full_state_dict(rank0_only=True)
+
+
+def resume(out: str) -> None:
+    from safetensors.torch import load_file
+
+    checkpoint = f"{out}/stage3/checkpoint-{SAVE_STEPS}"
+    trainer = ZeroTrainer(model=make_model(), args=arguments(f"{out}/resumed", eval_strategy="no"),
+                          train_dataset=Sequences(),
+                          zero_config=zero_config(3))
+    probe = FirstStepProbe(trainer)
+    trainer.add_callback(probe)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if dist.get_rank() == 0:
+        saved = load_file(f"{checkpoint}/model.safetensors")
+        diff = max((probe.params[k].float() - v.float()).abs().max().item() for k, v in saved.items())
+        fresh = make_model().state_dict()
+        moved = max((fresh[k].float() - v.float()).abs().max().item() for k, v in saved.items())
+        with open(f"{out}/resume.json", "w") as fh:
+            json.dump({"world": dist.get_world_size(), "global_step": trainer.state.global_step,
+                       "resume_param_maxdiff": diff, "checkpoint_moved": moved, **history(trainer)}, fh)
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    {"train": train, "resume": resume}[mode](out)
