@@ -55,6 +55,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from .errors import CheckpointError
+
 FORMAT_NAME = "zerodp-checkpoint"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -65,10 +67,6 @@ TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 MASTER = "master"
 FROZEN = "frozen"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written, found or used; the message says which file and why."""
 
 
 def shard_file(rank: int, world_size: int) -> str:

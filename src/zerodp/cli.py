@@ -17,10 +17,10 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
-from .config import ConfigError
+from .errors import ConfigError, UsageError
 from .examples.gpt import MODEL_PRESETS
 from .memory import OPTIMIZER_STATES
-from .train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STAGE, DEFAULT_STEPS, UsageError
+from .train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STAGE, DEFAULT_STEPS
 
 PAPER_MODELS = (7.5e9, 128e9, 1e12)
 PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
@@ -65,7 +65,7 @@ def _add_train(sub) -> None:
         epilog="Settings come from, in order of precedence: these options, the --config file, the run.json "
                "saved in a --resume folder, the defaults.\n\n"
                "Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) nothing is launched and --nproc is ignored:\n"
-               "  torchrun --nproc_per_node 2 -m zerodp.train --stage 2 --steps 100\n\n"
+               "  torchrun --nproc_per_node 2 -m zerodp train --stage 2 --steps 100\n\n"
                "examples:\n"
                "  zerodp train                                  # the default job: stage 3, 2 ranks, ~5 min\n"
                "  zerodp train --stage 1 --model tiny --steps 50 --out runs/s1\n"

@@ -18,9 +18,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the key and the fix."""
+from .config_vissl import is_vissl, translate_vissl
+from .errors import ConfigError
 
 
 # Keys DeepSpeed accepts that zerodp deliberately does not (yet) implement. Refusing them by name is
@@ -95,7 +94,8 @@ class ZeroOptimizationConfig(StrictModel):
     reduce_bucket_size: int = Field(500_000_000, ge=1, description="Elements per gradient bucket; a bucket is "
                                     "reduced as soon as all its gradients are ready.")
     allgather_bucket_size: int = Field(500_000_000, ge=1, description="Most elements one all-gather of updated "
-                                       "parameters moves (stages 1-2); larger buckets are gathered in chunks.")
+                                       "parameters moves (stages 1-2), and one gather of engine.full_state_dict() (every stage); larger "
+                                       "buffers are gathered in chunks.")
     overlap_comm: bool = Field(True, description="Launch each bucket's (stage 3: each unit's) reduction "
                                "asynchronously during backward; false waits for each reduction before backward "
                                "continues.")
@@ -119,12 +119,12 @@ class ZeroOptimizationConfig(StrictModel):
         if not self.contiguous_gradients:
             raise ValueError("contiguous_gradients=false is not supported: zerodp always reduces contiguous "
                              "buckets (it costs no extra memory); remove the key or set it to true")
-        bucket_keys = sorted({"reduce_bucket_size", "allgather_bucket_size"} & self.model_fields_set)
-        if self.stage == 3 and bucket_keys:
-            # DeepSpeed configs often carry these; at stage 3 zerodp communicates per module unit instead
-            warnings.warn(f"zero_optimization.{' and '.join(bucket_keys)} has no effect at stage 3: parameters are "
-                          f"gathered and gradients reduced per module unit (see stage3_unit_modules, "
-                          f"stage3_unit_min_params, stage3_prefetch_bucket_size)", UserWarning, stacklevel=2)
+        if self.stage == 3 and "reduce_bucket_size" in self.model_fields_set:
+            # DeepSpeed configs often carry it; at stage 3 zerodp reduces per module unit instead.
+            # (allgather_bucket_size still bounds full_state_dict's gathers, so it is not reported.)
+            warnings.warn("zero_optimization.reduce_bucket_size has no effect at stage 3: parameters are "
+                          "gathered and gradients reduced per module unit (see stage3_unit_modules, "
+                          "stage3_unit_min_params, stage3_prefetch_bucket_size)", UserWarning, stacklevel=2)
         return self
 
 
@@ -228,8 +228,6 @@ def load_config(source: Union["ZeroConfig", dict, str, Path, None]) -> ZeroConfi
         data = dict(source)
     else:
         raise ConfigError(f"config must be a dict, a path or a ZeroConfig, not {type(source).__name__}")
-    from .config_vissl import is_vissl, translate_vissl
-
     if is_vissl(data):
         data = translate_vissl(data)
     try:

@@ -4,7 +4,7 @@ Two halves. The launcher half (`resolve_train_args`, `launch`) runs once, in the
 it turns options, a config file and (on resume) the saved `run.json` into one validated `TrainArgs`,
 so user mistakes fail there as one line, and then starts the ranks with torchrun's own launcher API
 (`elastic_launch` with a `LaunchConfig`, standalone c10d rendezvous on localhost). When torchrun's
-variables are already set (`torchrun --nproc_per_node 2 -m zerodp.train ...`) it does not launch
+variables are already set (`torchrun --nproc_per_node 2 -m zerodp train ...`) it does not launch
 again: this process is a rank, and runs the worker itself.
 
 The worker half (`run_worker`) is the training loop every rank runs: GPT + AdamW through
@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from . import comm
+from .errors import UsageError
 from .config import load_config
 from .examples.corpus import ByteCorpus
 from .examples.gpt import GPT, MODEL_PRESETS, lm_loss
@@ -51,10 +52,6 @@ SAMPLE_PROMPT = "    def __init__(self, "
 SAMPLE_NEW_BYTES = 200
 SAMPLE_TOP_K = 10
 SAMPLE_TEMPERATURE = 0.8
-
-
-class UsageError(Exception):
-    """A user mistake: printed as one line on stderr, exit code 2."""
 
 
 @dataclass
@@ -402,13 +399,3 @@ def _finish(engine, corpus: ByteCorpus, args: TrainArgs, history: list[dict], nu
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m zerodp.train [train options]`, e.g. under `torchrun --nproc_per_node 2 -m zerodp.train`."""
-    from .cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -148,11 +148,12 @@ def test_learning_rate_schedule():
     assert lr_at(100, 100, 1.0) == pytest.approx(0.1)
 
 
-def test_python_m_zerodp_train_is_the_train_command(capsys):
-    from zerodp.train import main
+def test_python_m_zerodp_train_is_the_train_command(capsys, monkeypatch):
+    import runpy
 
+    monkeypatch.setattr(sys, "argv", ["zerodp", "train", "--help"])
     try:
-        main(["--help"])
+        runpy.run_module("zerodp", run_name="__main__")  # `python -m zerodp train`, as torchrun -m runs it
     except SystemExit as exit_:
         assert exit_.code == 0
     assert "usage: zerodp train" in capsys.readouterr().out

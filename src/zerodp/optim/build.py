@@ -14,6 +14,7 @@ from typing import Any, Callable, Union
 
 import torch
 
+from ..errors import OptimizerError
 from .lamb import LAMB
 from .larc import LARC
 
@@ -26,10 +27,6 @@ SHARD_AWARE = (LAMB,)
 _BY_NAME = {cls.__name__.lower(): cls for cls in ELEMENTWISE + SHARD_AWARE}
 
 OptimizerLike = Union[torch.optim.Optimizer, LARC]
-
-
-class OptimizerError(ValueError):
-    """An optimizer zerodp cannot run exactly, or a bad optimizer section."""
 
 
 def check_supported(optimizer: OptimizerLike, allow_untested: bool) -> None:

@@ -31,9 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-
-class PartitionedParameterError(RuntimeError):
-    """A partitioned (ZeRO stage 3) parameter was read outside a gather."""
+from ..errors import PartitionedParameterError
 
 
 _Tensor = torch.Tensor
