@@ -6,7 +6,7 @@
 
 from . import optim
 from .config import ZeroConfig, load_config
-from .consolidate import consolidate_checkpoint, save_consolidated
+from .checkpoint import consolidate_checkpoint, save_consolidated
 from .engine import ZeroEngine, initialize
 from .errors import CheckpointError, ConfigError, PartitionedParameterError
 from .stage3 import gathered_parameters, init_context

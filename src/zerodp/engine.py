@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from . import comm
-from .buckets import GradReducer, ReducePolicy, build_buckets
+from .stage12.buckets import GradReducer, ReducePolicy, build_buckets
 from .config import ConfigError, ZeroConfig, load_config
-from .memory_report import MemoryReport, measure_memory
+from .memory.report import MemoryReport, measure_memory
 from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
-from .optimizer import ShardedOptimizer
+from .optim.optimizer import ShardedOptimizer
 from .precision import LossScaler, PrecisionPolicy
 from .stage3.params import PartitionedParameter
 

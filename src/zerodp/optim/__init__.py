@@ -1,6 +1,13 @@
 """Optimizers that stay exact on ZeRO's flat shards, and how zerodp rebuilds the user's optimizer."""
 
+import sys as _sys
+
+from . import optimizer
 from .lamb import LAMB
 from .larc import LARC
+
+# The former module path `zerodp.optimizer` stays importable (code written before the layout change).
+_sys.modules.setdefault("zerodp.optimizer", optimizer)
+setattr(_sys.modules["zerodp"], "optimizer", optimizer)
 
 __all__ = ["LARC", "LAMB"]

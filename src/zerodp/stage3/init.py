@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import comm
 from ..config import ConfigError, load_config
-from ..flat_buffer import alloc_storage, free_storage
+from ..flat.buffer import alloc_storage, free_storage
 from ..precision import PrecisionPolicy
 from .params import PartitionedParameter, owner_of, register_owner, set_partitioned, unregister_owner
 

@@ -46,11 +46,11 @@ from torch import nn
 
 from .. import comm
 from ..config import ZeroConfig
-from .collectives import ShardGroup
-from .hooks import ModuleUnit
+from .flat_unit import FlatUnit, GradState, ShardState
+from .module_unit import ModuleUnit
 from .params import owner_of
 from .prefetch import ExecutionOrder, Pass, Prefetcher
-from .units import FlatUnit, GradState, ShardState
+from .shard_group import ShardGroup
 from .wrap import choose_unit_modules, plan_units
 
 log = logging.getLogger("zerodp")

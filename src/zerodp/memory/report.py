@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from .memory import ModelStateBytes, predict_model_state_bytes
-from .optim.build import state_numel_per_param
+from ..optim.build import state_numel_per_param
+from .model import ModelStateBytes, predict_model_state_bytes
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ from typing import Optional
 
 import torch
 
-from . import checkpoint_format as fmt
-from . import comm
-from .checkpoint_format import CheckpointError
-from .checkpoint_state import canonical_names, describe_tensors, sharded_units
+from . import format as fmt
+from .. import comm
+from ..errors import CheckpointError
+from .state import canonical_names, describe_tensors, sharded_units
 
 
 def consolidate_checkpoint(ckpt_dir, tag: Optional[str] = None) -> dict[str, torch.Tensor]:

@@ -20,9 +20,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import checkpoint_format as fmt
-from .checkpoint_format import CheckpointError
-from .optim.larc import LARC
+from . import format as fmt
+from ..errors import CheckpointError
+from ..optim.larc import LARC
 
 
 # -- describing the model --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from .memory import format_bytes
+from ..memory import format_bytes
 
 METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "rss_bytes")
 

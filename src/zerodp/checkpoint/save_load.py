@@ -43,10 +43,10 @@ from typing import Optional
 
 import torch
 
-from . import checkpoint_format as fmt
-from . import checkpoint_state as cs
-from . import comm
-from .checkpoint_format import CheckpointError
+from . import format as fmt
+from . import state as cs
+from .. import comm
+from ..errors import CheckpointError
 from .consolidate import consolidate_checkpoint, consolidate_main, full_state_dict, save_consolidated
 
 __all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
@@ -130,7 +130,7 @@ def _build_meta(engine, tag: str, written: list[dict]) -> dict:
         list(fmt.overlapping(segs, 0, numel))  # every element saved exactly once, or an error now
     groups = {str(user): cs.encode_hyper(g) for user, g in cs.inner_groups(engine)}
     cls, larc = cs.optimizer_class(engine)
-    from . import __version__
+    from .. import __version__
 
     return {
         "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "tag": tag,

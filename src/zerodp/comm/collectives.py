@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .partition import chunk_ranges
+from ..flat.layout import chunk_ranges
 
 ProcessGroup = Optional[dist.ProcessGroup]
 

@@ -17,10 +17,10 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
-from .errors import ConfigError, UsageError
-from .examples.gpt import MODEL_PRESETS
-from .memory import OPTIMIZER_STATES
-from .train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STAGE, DEFAULT_STEPS
+from ..errors import ConfigError, UsageError
+from ..examples.gpt import MODEL_PRESETS
+from ..examples.train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STAGE, DEFAULT_STEPS
+from ..memory import OPTIMIZER_STATES
 
 PAPER_MODELS = (7.5e9, 128e9, 1e12)
 PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
@@ -151,7 +151,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .train import launch, resolve_train_args
+    from ..examples.train import launch, resolve_train_args
 
     args = resolve_train_args({k: getattr(ns, k) for k in TRAIN_OPTIONS})
     try:
@@ -188,7 +188,7 @@ def _unit(total_bytes: float) -> tuple[str, float]:
 def render_estimate(numel: float, world_size: int, precision: str, optimizer: str,
                     stages: tuple[int, ...] = (0, 1, 2, 3)) -> str:
     """The per-stage model-state table for one rank (decimal units, rounded as the paper's Table 1)."""
-    from .memory import format_param_count, paper_round, precision_bytes, predict_model_state_bytes
+    from ..memory import format_param_count, paper_round, precision_bytes, predict_model_state_bytes
 
     p, g, k = precision_bytes(precision, optimizer)
     unit, size = _unit((p + g + k) * numel)
@@ -206,8 +206,8 @@ def render_estimate(numel: float, world_size: int, precision: str, optimizer: st
 
 def _render_model_extras(model: str, numel: int, world_size: int, precision: str, micro_batch: int,
                          seq_len: int) -> str:
-    from .config import ZeroOptimizationConfig
-    from .memory import estimate_activation_bytes, format_bytes
+    from ..config import ZeroOptimizationConfig
+    from ..memory import estimate_activation_bytes, format_bytes
 
     cfg = MODEL_PRESETS[model]
     elem = 2 if precision == "mixed" else 4
@@ -230,7 +230,7 @@ def _render_model_extras(model: str, numel: int, world_size: int, precision: str
 
 
 def _cmd_estimate(ns: argparse.Namespace) -> int:
-    from .memory import estimate_model_numel, render_paper_table
+    from ..memory import estimate_model_numel, render_paper_table
 
     if ns.paper:
         print("ZeRO paper, Table 1: per-device model-state memory (GB) of mixed-precision Adam (K=12) by DP "
@@ -259,7 +259,7 @@ def _cmd_consolidate(ns: argparse.Namespace) -> int:
     if not Path(ns.ckpt_dir).is_dir():
         raise UsageError(f"{ns.ckpt_dir}: no such checkpoint folder")
     try:
-        from .checkpoint import consolidate_main
+        from ..checkpoint import consolidate_main
     except ImportError:
         print("zerodp: error: consolidation needs zerodp.checkpoint, which this installation does not have",
               file=sys.stderr)

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from .. import comm
-from ..flat_buffer import alloc_storage
+from ..flat.buffer import alloc_storage
 
 
 class _StreamHandle:

@@ -33,12 +33,12 @@ from typing import Optional
 import psutil
 import torch
 
-from . import comm
-from .errors import UsageError
-from .config import load_config
-from .examples.corpus import ByteCorpus
-from .examples.gpt import GPT, MODEL_PRESETS, lm_loss
-from .memory import format_bytes
+from .. import comm
+from ..config import load_config
+from ..errors import UsageError
+from ..memory import format_bytes
+from .corpus import ByteCorpus
+from .gpt import GPT, MODEL_PRESETS, lm_loss
 from .report import MetricsLog, format_log_line, plot_loss, read_metrics, render_summary
 
 DEFAULT_STAGE = 3
@@ -144,7 +144,7 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     if gpus and not under_torchrun() and nproc > gpus:
         raise UsageError(f"--nproc {nproc} is more than the {gpus} GPU(s); with CUDA each rank needs its own GPU")
     if validated.optimizer is not None:
-        from .optim.build import OptimizerError, resolve_optimizer
+        from ..optim.build import OptimizerError, resolve_optimizer
 
         try:
             resolve_optimizer(None, validated.optimizer, [torch.nn.Parameter(torch.zeros(1))])

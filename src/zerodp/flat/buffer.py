@@ -11,7 +11,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .partition import FlatLayout
+from .layout import FlatLayout
 
 # [Note: freeing storage]
 # `tensor = None` or `param.data = empty` only drops one reference: autograd may still hold the

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .units import FlatUnit
+from .flat_unit import FlatUnit
 
 if TYPE_CHECKING:
     from .strategy import Stage3Sharding

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..flat_buffer import FlatBuffer, alloc_storage, free_storage
-from ..partition import FlatLayout
-from .collectives import ShardGroup
+from ..flat.buffer import FlatBuffer, alloc_storage, free_storage
+from ..flat.layout import FlatLayout
+from .shard_group import ShardGroup
 from .params import owner_of, register_owner, set_partitioned
 
 

@@ -18,8 +18,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .config_vissl import is_vissl, translate_vissl
-from .errors import ConfigError
+from ..errors import ConfigError
+from .vissl import is_vissl, translate_vissl
 
 
 # Keys DeepSpeed accepts that zerodp deliberately does not (yet) implement. Refusing them by name is

@@ -22,7 +22,7 @@ import difflib
 import warnings
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _BASE_KEYS = {"name", "lr", "use_larc", "larc_config", "weight_decay", "momentum", "nesterov"}
 _LARC_KEYS = {"clip", "trust_coefficient", "eps"}

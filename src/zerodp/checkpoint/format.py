@@ -55,7 +55,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 FORMAT_NAME = "zerodp-checkpoint"
 FORMAT_VERSION = 1

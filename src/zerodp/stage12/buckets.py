@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .flat_buffer import FlatBuffer, alloc_storage, free_storage
-from .partition import FlatLayout
+from .. import comm
+from ..flat.buffer import FlatBuffer, alloc_storage, free_storage
+from ..flat.layout import FlatLayout
 
 
 @dataclass(frozen=True)

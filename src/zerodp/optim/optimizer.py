@@ -31,11 +31,11 @@ from typing import Optional, Protocol
 
 import torch
 
-from . import comm
-from .optim.build import rebuild
-from .optim.shard_norms import maybe_bind, segments_from_layout, split_segments
-from .partition import FlatLayout
-from .precision import LossScaler, PrecisionPolicy
+from .. import comm
+from .build import rebuild
+from .shard_norms import maybe_bind, segments_from_layout, split_segments
+from ..flat.layout import FlatLayout
+from ..precision import LossScaler, PrecisionPolicy
 
 
 # 1 MiB of fp32: fits L2 with room to spare, large enough that per-tensor overhead is negligible.

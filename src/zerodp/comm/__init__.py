@@ -1,0 +1,14 @@
+"""Communication: the collectives zerodp uses (`collectives.py`), with traffic recording for tests.
+
+Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
+is re-exported here.
+"""
+
+from .collectives import (CommLog, CommRecord, GLOO_GATHER_MESSAGE_BYTES, Handle, ProcessGroup, all_gather,
+                          all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
+                          get_rank, get_world_size, init_distributed, is_initialized, new_group_like, record,
+                          reduce_scatter)
+
+__all__ = ["CommLog", "CommRecord", "GLOO_GATHER_MESSAGE_BYTES", "Handle", "ProcessGroup", "all_gather",
+           "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast", "get_rank",
+           "get_world_size", "init_distributed", "is_initialized", "new_group_like", "record", "reduce_scatter"]
