@@ -3,7 +3,7 @@
 Saving: every rank writes only the slices it owns (its fp32 master shard and the matching slices of
 each optimizer state tensor, one safetensors entry per parameter segment), its RNG states, and
 rank 0 adds the metadata, frozen parameters, buffers and client_state. The on-disk format is in
-`checkpoint_format` (its docstring is the reference).
+`checkpoint/format.py` (its docstring is the reference).
 
 [Note: atomic commit] A checkpoint becomes visible in one rename, only after every rank wrote all
 its files:
@@ -18,7 +18,7 @@ The directory must be on a filesystem every rank sees (rank 0 renames the other 
 
 Loading: every rank reads meta.json, checks that the checkpoint fits the model (names, shapes,
 trainable or frozen, tying, optimizer groups and class), and builds its *new* master shards and
-optimizer state from the saved slices that overlap them (`checkpoint_state.assemble_master`),
+optimizer state from the saved slices that overlap them (`state.assemble_master`),
 reading only the rank files it needs, each verified against its checksum. Nothing in the engine
 changes until every rank has prepared its part without error (agreed by an all-gather), so a bad
 checkpoint leaves the engine as it was; files are only ever read. Then masters, optimizer state,
@@ -65,7 +65,7 @@ def save_checkpoint(engine, save_dir, tag: Optional[str] = None, client_state: O
     group = engine.process_group
     save_dir = Path(save_dir)
     tag = fmt.validate_tag(tag if tag is not None else f"global_step{engine.global_step}")
-    if engine.micro_step % engine.gradient_accumulation_steps or getattr(engine, "_backward_since_step", False):
+    if not engine.at_step_boundary:
         raise CheckpointError(f"save_checkpoint was called in the middle of gradient accumulation (micro step "
                               f"{engine.micro_step}, {engine.gradient_accumulation_steps} per step); call it "
                               f"after the engine.step() that completes an optimizer step")
@@ -156,7 +156,7 @@ def _commit(save_dir: Path, tmp: Path, tag: str, meta: dict) -> None:
     final, trash = save_dir / tag, save_dir / f"{fmt.TRASH_PREFIX}{tag}"
     if final.exists():
         # A directory cannot be replaced by rename: move the old copy aside; until the rename below
-        # is done, loading `tag` falls back to it (checkpoint_format.resolve_tag_dir).
+        # is done, loading `tag` falls back to it (format.resolve_tag_dir).
         shutil.rmtree(trash, ignore_errors=True)
         final.rename(trash)
     tmp.rename(final)
@@ -263,8 +263,7 @@ def _apply_load(engine, plan: _LoadPlan) -> None:
     same_accumulation = counters["gradient_accumulation_steps"] == engine.gradient_accumulation_steps
     engine.micro_step = counters["micro_step"] if same_accumulation \
         else counters["global_step"] * engine.gradient_accumulation_steps
-    if optimizer.gather is not None:
-        optimizer.gather()  # note: a collective; re-assembles full parameters from the loaded shards
+    engine.sharding.after_step()  # note: a collective; re-assembles full parameters from the loaded shards
     if plan.rng is not None:  # ranks beyond the saved world size keep their own RNG states
         cs.set_rng_state(plan.rng)
 

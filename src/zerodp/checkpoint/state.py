@@ -6,7 +6,7 @@ lists this rank's slices: for each segment of each sharded unit (see `partition.
 master and every elementwise optimizer state tensor, keyed by parameter name and element range.
 
 Loading side: `assemble_master` builds one unit's new master shard and optimizer state by
-intersecting each of its segments with the saved ones (`checkpoint_format.overlapping`), reading
+intersecting each of its segments with the saved ones (`format.overlapping`), reading
 only those slices. Padding elements stay zero. Non-elementwise state (Adam's `step`) is per master
 tensor: a new master takes the value of the saved units it overlaps, which must agree (they do
 when a group's parameters step together), and a shard of padding only takes its group's value.
@@ -138,13 +138,8 @@ def decode_scalar(entry: dict, device: torch.device):
 
 
 def scalar_state_device(engine, master: torch.Tensor) -> torch.device:
-    """Where torch keeps a scalar state tensor such as `step`: on the parameter's device for
-    capturable or fused optimizers, on the CPU otherwise (torch's own load_state_dict rule)."""
-    first_chunk = engine.optimizer.chunks[master_index(engine, master)][0]
-    for group in engine.optimizer.param_groups:
-        if any(p is first_chunk for p in group["params"]):
-            return master.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
-    return torch.device("cpu")
+    """Where torch keeps a scalar state tensor such as `step` for `master` (the optimizer knows)."""
+    return engine.optimizer.scalar_state_device(master_index(engine, master))
 
 
 def model_states(engine) -> dict[str, torch.Tensor]:

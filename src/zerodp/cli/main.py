@@ -6,7 +6,7 @@
 
 This module owns the options, their help text and the error contract: a user mistake (a bad
 option or config, a missing folder) is one line on stderr and exit code 2, never a traceback. The
-job itself lives in `train.py`, the memory formulas in `memory.py`, consolidation in `checkpoint.py`.
+job itself lives in `examples/train.py`, the memory formulas in `memory/`, consolidation in `checkpoint/`.
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; ev
 is re-exported here.
 """
 
-from .collectives import (CommLog, CommRecord, GLOO_GATHER_MESSAGE_BYTES, Handle, ProcessGroup, all_gather,
-                          all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
+from .collectives import (REAL_COLLECTIVES_ENV, CommLog, CommRecord, GLOO_GATHER_MESSAGE_BYTES, Handle, ProcessGroup,
+                          all_gather, all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
                           get_rank, get_world_size, init_distributed, is_initialized, new_group_like, record,
-                          reduce_scatter)
+                          reduce_scatter, skips_collectives)
 
-__all__ = ["CommLog", "CommRecord", "GLOO_GATHER_MESSAGE_BYTES", "Handle", "ProcessGroup", "all_gather",
-           "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast", "get_rank",
-           "get_world_size", "init_distributed", "is_initialized", "new_group_like", "record", "reduce_scatter"]
+__all__ = ["REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "GLOO_GATHER_MESSAGE_BYTES", "Handle", "ProcessGroup",
+           "all_gather", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
+           "get_rank", "get_world_size", "init_distributed", "is_initialized", "new_group_like", "record",
+           "reduce_scatter", "skips_collectives"]

@@ -4,6 +4,11 @@ Every function takes the process group explicitly (`None` means the default grou
 no process group at all (one process): then collectives are identities. Each call is appended to
 the active `record()` logs, so tests (and users) can count what a step moves.
 
+[Note: collectives at world size 1] With one rank, collectives are skipped (identities), unless the
+environment has ZERODP_REAL_COLLECTIVES=1 and a process group exists: then they are issued on the
+one-rank communicator like any other, so the real calls, streams and events run on one GPU (NCCL
+cannot put two ranks on one device) or on one gloo rank. tests/gpu and a CPU test set it.
+
 Backend choices:
 - gloo's reduce-scatter is a slow composite (about half the speed of its all-reduce per byte, and
   blocking even when asked to be async), so `reduce_scatter` on gloo all-reduces the whole bucket in
@@ -35,8 +40,18 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+REAL_COLLECTIVES_ENV = "ZERODP_REAL_COLLECTIVES"
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def skips_collectives(group: ProcessGroup = None) -> bool:
+    """True where collectives on `group` are identities: one rank (see [Note: collectives at world size 1])."""
+    if get_world_size(group) != 1:
+        return False
+    return not (is_initialized() and os.environ.get(REAL_COLLECTIVES_ENV) == "1")
 
 
 def init_distributed(timeout_s: float = 1800.0) -> None:
@@ -73,7 +88,7 @@ def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
     Collectives on different communicators are matched independently, so two streams of
     collectives whose relative order may differ between ranks can each keep their own order.
     """
-    if get_world_size(group) == 1:
+    if skips_collectives(group):
         return group
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     return dist.new_group(ranks, backend=backend_name(group), use_local_synchronization=True)
@@ -157,7 +172,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, async_op: bo
                op: dist.ReduceOp = dist.ReduceOp.SUM, tag: str = "") -> Handle:
     """Sum (or `op`) `tensor` in place across the group."""
     _log("all_reduce", "all_reduce", tensor, tag)
-    if get_world_size(group) == 1:
+    if skips_collectives(group):
         return Handle()
     return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), None, async_op)
 
@@ -174,7 +189,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
     if input.numel() != output.numel() * world:
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x "
                          f"{output.numel()} (pad the buffer to a multiple of the group size)")
-    if world == 1:
+    if skips_collectives(group):
         _log("reduce_scatter", "none", input, tag)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
@@ -205,7 +220,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
     world = get_world_size(group)
     if output.numel() != input.numel() * world:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected {world} x {input.numel()}")
-    if world == 1:
+    if skips_collectives(group):
         _log("all_gather", "all_gather_single", output, tag)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
@@ -240,7 +255,7 @@ def _chunked_all_gather(output: torch.Tensor, input: torch.Tensor, group: Proces
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *, tag: str = "") -> None:
     """Copy rank `src`'s `tensor` to every rank (`src` is a rank of `group`)."""
     _log("broadcast", "broadcast", tensor, tag)
-    if get_world_size(group) == 1:
+    if skips_collectives(group):
         return
     global_src = dist.get_global_rank(group, src) if group is not None else src
     dist.broadcast(tensor, src=global_src, group=group)
@@ -249,7 +264,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *,
 def all_gather_object(obj, group: ProcessGroup = None) -> list:
     """Every rank's picklable `obj`, in rank order (`[obj]` with no process group)."""
     world = get_world_size(group)
-    if world == 1:
+    if skips_collectives(group):
         return [obj]
     out = [None] * world
     dist.all_gather_object(out, obj, group=group)  # note: a sync point

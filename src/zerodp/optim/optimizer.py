@@ -21,38 +21,26 @@ One step, in order (every rank runs the same collectives):
   3. clip with torch's rule: coef = min(1, max_norm / (norm + 1e-6)).
   4. step the inner optimizer; parameters that got no gradient anywhere are restored afterwards,
      as torch skips parameters whose .grad is None.
-  5. copy masters into the parameter shards and let units re-assemble full parameters (all-gather).
+  5. copy masters into the parameter shards (the engine then has the strategy re-assemble full
+     parameters: `seams.ShardingStrategy.after_step`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 
 from .. import comm
+from ..precision import LossScaler, PrecisionPolicy
+from ..seams import ShardedUnit
 from .build import rebuild
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
-from ..flat.layout import FlatLayout
-from ..precision import LossScaler, PrecisionPolicy
 
 
 # 1 MiB of fp32: fits L2 with room to spare, large enough that per-tensor overhead is negligible.
 OPTIMIZER_CHUNK_NUMEL = 1 << 18
-
-
-class ShardedUnit(Protocol):
-    """What the optimizer needs from a communication unit (stage 0-2 bucket or stage-3 unit)."""
-
-    params: list
-    group_index: int
-    layout: FlatLayout
-    shard_index: int
-    param_shard: torch.Tensor
-    grad_shard: torch.Tensor
-
-    def zero_grad(self) -> None: ...
 
 
 class ShardedOptimizer:
@@ -60,14 +48,13 @@ class ShardedOptimizer:
 
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
-                 sharded: bool, gradient_clipping: float, gather=None) -> None:
+                 sharded: bool, gradient_clipping: float) -> None:
         self.units = units
         self.precision = precision
         self.scaler = scaler
         self.process_group = process_group
         self.sharded = sharded  # gradients/norms are split across ranks (stages 1-3)
         self.gradient_clipping = gradient_clipping
-        self.gather = gather    # callable() re-assembling full parameters after the step, or None
         self.masters: list[torch.Tensor] = []
         for unit in units:
             if precision.mixed:
@@ -129,6 +116,22 @@ class ShardedOptimizer:
                     k: (v[master_sl].clone() if torch.is_tensor(v) and v.shape == master.shape
                         else v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
 
+    def scalar_state_device(self, index: int) -> torch.device:
+        """Where torch keeps master `index`'s scalar state tensors such as `step`: on the parameter's
+        device for capturable or fused optimizers, on the CPU otherwise (torch's own load_state_dict rule)."""
+        first_chunk = self.chunks[index][0]
+        for group in self.optimizer.param_groups:
+            if any(p is first_chunk for p in group["params"]):
+                fast = group.get("capturable") or group.get("fused")
+                return self.masters[index].device if fast else torch.device("cpu")
+        return torch.device("cpu")
+
+    def load_master_from_shard(self, index: int) -> None:
+        """Unit `index`'s parameter shard was written outside a step: make the master follow it."""
+        unit, master = self.units[index], self.masters[index]
+        if master is not unit.param_shard:
+            master.copy_(unit.param_shard)
+
     @property
     def param_groups(self) -> list[dict]:
         """The inner optimizer's groups (change `lr` here for a schedule)."""
@@ -186,8 +189,6 @@ class ShardedOptimizer:
         if self.precision.mixed:
             for unit, master in zip(self.units, self.masters):
                 unit.param_shard.copy_(master)
-        if self.gather is not None:
-            self.gather()
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
         return True

@@ -9,9 +9,9 @@ only this rank's slice persistently:
     grad_full    padded_numel elements               allocated only between a unit's first
                                                      gradient of a micro-step and its reduction
 
-so at rest it holds (param + grad) * Psi_unit / N bytes, the paper's Pos+g+p. The optimizer sees
-it through the `optimizer.ShardedUnit` members (params, group_index, layout, shard_index,
-param_shard, grad_shard, zero_grad, param_bytes, grad_bytes).
+so at rest it holds (param + grad) * Psi_unit / N bytes, the paper's Pos+g+p. The optimizer and
+checkpoints see it through `seams.ShardedUnit`. Its gradients are a `flat.grad_shard.GradShard`
+(the gradient life cycle every stage shares) that reduce-scatters through the `ShardGroup`.
 
 Two variants share the class:
 - persistent (every parameter below `stage3_param_persistence_threshold`): the gathered buffer is
@@ -20,36 +20,32 @@ Two variants share the class:
 - frozen (requires_grad=False parameters): sharded and gathered like the others, no gradient
   storage at all, never seen by the optimizer.
 
-State transitions (asserted): SHARDED -> GATHERING -> GATHERED -> SHARDED, and for gradients
-IDLE -> FILLING -> REDUCING -> REDUCED (-> FILLING again for a late gradient of the same
-micro-step, e.g. a weight used in two re-entrant checkpointed regions).
+Parameter states (asserted): SHARDED -> GATHERING -> GATHERED -> SHARDED; gradient states are
+`GradShard`'s. A flat unit knows nothing above it: module units acquire and release it, the strategy
+launches its reductions, and the parameter registry (params.py) routes reads of its sharded
+parameters to the strategy.
 """
 
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import Optional
 
 import torch
 from torch import nn
 
 from .. import comm
-from ..flat.buffer import FlatBuffer, alloc_storage, free_storage
+from ..flat.buffer import FlatBuffer, free_storage
+from ..flat.grad_shard import GradShard
 from ..flat.layout import FlatLayout
+from .params import owner_of, set_partitioned
 from .shard_group import ShardGroup
-from .params import owner_of, register_owner, set_partitioned
 
 
 class ShardState(Enum):
     SHARDED = auto()    # only param_shard holds values; the gathered buffer has no storage
     GATHERING = auto()  # all-gather in flight
     GATHERED = auto()   # the parameters hold their full values
-
-
-class GradState(Enum):
-    IDLE = auto()       # no gradient this round
-    FILLING = auto()    # some parameters reported
-    REDUCING = auto()   # reduce-scatter in flight
-    REDUCED = auto()    # this round's reduction is in grad_shard
 
 
 class FlatUnit:
@@ -67,8 +63,6 @@ class FlatUnit:
         self.module_name = module_name   # the module unit whose forward gathers this unit
         self.trainable = trainable
         self.persistent = persistent
-        self.module_unit = None          # set by the strategy: the ModuleUnit owning this flat unit
-        self.strategy = None             # set by the strategy (lazy gathers, master updates)
         self.layout = FlatLayout.of([p.shape for p in params], shards.world)
         self.shard_index = shards.rank
         first = params[0]
@@ -88,15 +82,10 @@ class FlatUnit:
         self.param_shard = own if persistent else own.clone()
         for p, view in zip(params, self.gathered.views()):
             p.data = view  # forever: see [Note: partitioned parameters]
-            register_owner(p, self)
-        self.grad_full = FlatBuffer(self.layout, dtype, device)
-        free_storage(self.grad_full.tensor)
-        self.grad_shard = torch.zeros(self.layout.shard_numel if trainable else 0, dtype=dtype, device=device)
-        self.received = torch.zeros(len(params), dtype=torch.bool)
-        self.reported: set[int] = set()
-        self.rounds_launched = 0
-        self.grad_state = GradState.IDLE
-        self._reduce_handle = None
+        # Frozen units have no gradient storage at all.
+        self.grads: Optional[GradShard] = GradShard(
+            params, self.layout, self.shard_index, shards.world, self._reduce, keep_full=False,
+            name=f"{module_name}[{index}]") if trainable else None
         self._gather_handle = None
         self.holders = 0                 # module units (and gathered_parameters blocks) using the values now
         self.state = ShardState.GATHERED
@@ -114,7 +103,12 @@ class FlatUnit:
 
     def grad_bytes(self) -> int:
         """Gradient bytes held now: the shard, plus the full gradient buffer while one is pending."""
-        return self.grad_shard.numel() * self.grad_shard.element_size() + self.grad_full.nbytes
+        return self.grads.nbytes if self.grads is not None else 0
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's reduced, rank-averaged gradients (trainable units)."""
+        return self.grads.shard
 
     def name_of(self, param: torch.Tensor) -> str:
         for p, name in zip(self.params, self.names):
@@ -165,88 +159,23 @@ class FlatUnit:
         if self.holders == 0:
             self.reshard()
 
-    def gather_on_access(self, owners=()) -> bool:
-        """A partitioned parameter of this unit was read: gather on the spot if a forward is running."""
-        return self.strategy is not None and self.strategy.gather_on_access(self)
-
     def write_back(self, src: int) -> None:
         """Make rank `src`'s gathered values the new parameters: broadcast them and keep this rank's
-        slice (and, through the strategy, the fp32 master). Every rank must call it while gathered."""
+        slice. Every rank must call it while gathered."""
         assert self.state is ShardState.GATHERED
         comm.broadcast(self.gathered.tensor, src, self.shards.process_group, tag="param")
         if not self.persistent:
             self.param_shard.copy_(self.gathered.shard(self.shard_index))
-        if self.strategy is not None:
-            self.strategy.on_shard_written(self)
 
     # -- gradients ---------------------------------------------------------------------------------
 
-    @property
-    def complete(self) -> bool:
-        """Every parameter reported a gradient in this round."""
-        return len(self.reported) == len(self.params)
-
-    def _ensure_grad_full(self) -> None:
-        if self.grad_full.nbytes == 0:
-            alloc_storage(self.grad_full.tensor, self.layout.padded_numel)
-            self.grad_full.tensor.zero_()
-
-    def add_grad(self, index: int) -> None:
-        """Move parameter `index`'s fresh .grad into the unit (called from its post-accumulate hook)."""
-        p = self.params[index]
-        grad = p.grad
-        if grad is None:
-            return
-        if self.grad_state in (GradState.REDUCING, GradState.REDUCED):
-            # a late gradient in this micro-step: finish the round in flight, open another one
-            self.wait_reduce()
-            self.reported.clear()
-        self._ensure_grad_full()
-        self.grad_full.view(index).add_(grad)
-        p.grad = None  # the unit holds it now; dropping .grad frees the per-parameter copy
-        self.reported.add(index)
-        self.received[index] = True
-        self.grad_state = GradState.FILLING
-
-    def launch_reduce(self) -> None:
-        """Start this round's reduce-scatter (every rank must call it, in the same unit order)."""
-        assert self.grad_state is not GradState.REDUCING
-        self._ensure_grad_full()  # a rank without gradients takes part with zeros
-        full = self.grad_full.tensor
-        self._reduce_handle = self.shards.reduce_scatter(self.grad_full.shard(self.shard_index), full)
-        self.rounds_launched += 1
-        self.grad_state = GradState.REDUCING
-
-    def wait_reduce(self) -> None:
-        """Finish the reduction: average over ranks into grad_shard and free the full gradient."""
-        if self.grad_state is not GradState.REDUCING:
-            return
-        self._reduce_handle.wait()
-        self._reduce_handle = None
-        reduced = self.grad_full.shard(self.shard_index)
-        # sum over ranks, then divide: the same arithmetic as stages 0-2
-        reduced.div_(self.shards.world)
-        self.grad_shard.add_(reduced)
-        free_storage(self.grad_full.tensor)
-        self.grad_state = GradState.REDUCED
-
-    def start_round(self) -> None:
-        """Reset per-micro-step bookkeeping before a backward (grad_shard keeps accumulating)."""
-        assert self.grad_state is not GradState.REDUCING
-        self.reported.clear()
-        self.rounds_launched = 0
-        if self.grad_state is not GradState.FILLING:
-            self.grad_state = GradState.IDLE
+    def _reduce(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> comm.Handle:
+        # on the shard group's reduce communicator and stream; always asynchronous there
+        return self.shards.reduce_scatter(output, full)
 
     def zero_grad(self) -> None:
         """Forget gradients after an optimizer step (or a skipped one)."""
-        self.wait_reduce()
-        self.grad_shard.zero_()
-        free_storage(self.grad_full.tensor)
-        self.received.zero_()
-        self.reported.clear()
-        self.rounds_launched = 0
-        self.grad_state = GradState.IDLE
+        self.grads.zero_grad()
 
     def after_step_gather(self):
         """Persistent units: start gathering the updated shards into the full parameters; returns the handle."""

@@ -1,4 +1,4 @@
-"""Module units and their hooks: gather before a unit's forward and backward, release after them.
+"""Module units: gather before a unit's forward and backward, release after them (`ModuleUnit`).
 
 A `ModuleUnit` is a module (a transformer block, or the root) whose forward needs a set of flat
 units: its own (one per optimizer group, plus frozen) and any it borrows (see
@@ -10,6 +10,15 @@ units: its own (one per optimizer group, plus frozen) and any it borrows (see
     outputs node hook  the unit's backward is about to run: acquire again (pre-backward)
     inputs grad hook   the backward of that call is done: release (post-backward)
 
+Its training state is one enum with asserted transitions (`TrainingState`):
+
+    IDLE --forward--> FORWARD --end of forward--> IDLE --pre-backward--> BACKWARD --released--> IDLE
+    IDLE --forward inside backward (re-entrant recomputation)--> RECOMPUTE --end--> BACKWARD
+    BACKWARD --forward inside backward (non-re-entrant recomputation)--> BACKWARD
+
+A module unit tells the shared `Schedule` (schedule.py) what happens and drives its flat units; it
+never calls the strategy.
+
 [Note: releasing after backward]
 A unit may be released in backward only when no pending autograd node still reads its values.
 The gradient of a call's inputs is complete only after every node of that call has run (and any
@@ -18,10 +27,10 @@ backward; a unit called k times in one forward is released after the k-th one fi
 themselves are left untouched (wrapping them in an identity autograd Function would forbid the
 module to modify its input in place). Three cases have no usable inputs hook:
 - a forward with no input that requires grad (the root's token ids, the block after a frozen
-  embedding): `untracked`, released when the backward ends (flush);
+  embedding): `untracked`, released when the backward ends (finish_micro_step);
 - re-entrant activation checkpointing: the first forward ran under no_grad (nothing to track),
   the recomputation runs inside backward; then the unit is released once every trainable
-  parameter it gathers has received its gradient, or at flush if it gathers frozen ones;
+  parameter it gathers has received its gradient, or at the end of backward if it gathers frozen ones;
 - non-re-entrant checkpointing: the original forward's hook is in the graph and fires after the
   recomputed nodes ran; the recomputation itself (a forward during backward) only converts its
   acquire into the backward hold, and watches nothing (its graph is never run).
@@ -32,42 +41,65 @@ strategy.py). Releasing too early would raise a storage error, never give a wron
 A parent's forward may read a parameter of a child unit directly, e.g. `F.linear(h,
 self.embed.weight)` after `embed` (a unit) has run and been released. The read reaches
 `PartitionedParameter.__torch_function__` (see [Note: partitioned parameters]), which asks the
-strategy to gather the owner's flat unit on the spot and add it to the running unit's gather set:
+strategy (the parameter's registered context) to gather the owner's flat unit on the spot and add it
+to the running unit's gather set (`borrow`):
 from then on the parent gathers it before its forward and its backward, like its own parameters.
 This is a collective, so it relies on every rank running the same forward, as all of stage 3 does.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from enum import Enum, auto
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .flat_unit import FlatUnit
+from .schedule import Schedule
 
-if TYPE_CHECKING:
-    from .strategy import Stage3Sharding
+
+class TrainingState(Enum):
+    IDLE = auto()       # no forward running, not held for backward
+    FORWARD = auto()    # its forward is running (outside backward)
+    RECOMPUTE = auto()  # its forward is running inside backward, not yet held for backward
+    BACKWARD = auto()   # gathered for its backward (the backward hold)
+
+
+_ALLOWED = {
+    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.RECOMPUTE, TrainingState.BACKWARD},
+    TrainingState.FORWARD: {TrainingState.FORWARD, TrainingState.IDLE},
+    TrainingState.RECOMPUTE: {TrainingState.RECOMPUTE, TrainingState.BACKWARD},
+    TrainingState.BACKWARD: {TrainingState.BACKWARD, TrainingState.IDLE},
+}
 
 
 class ModuleUnit:
     """A module whose forward gathers `gather_set`; see the module docstring for its hooks."""
 
-    def __init__(self, module: nn.Module, name: str, flats: list[FlatUnit], strategy: "Stage3Sharding") -> None:
+    def __init__(self, module: nn.Module, name: str, flats: list[FlatUnit], schedule: Schedule, *,
+                 is_root: bool) -> None:
         self.module = module
         self.name = name or "<root>"
         self.flats = flats                  # the flat units it owns
         self.gather_set = list(flats)       # what its forward needs: owned + borrowed
-        self.strategy = strategy
+        self.schedule = schedule
+        self.is_root = is_root
+        self.state = TrainingState.IDLE
         self.holds = 0                      # active acquisitions (nested calls, the backward hold)
-        self.backward_hold = False          # acquired for backward, not yet released
-        self.pending_post_backward = 0      # inputs hooks not yet fired
-        self.tracked_calls = 0              # inputs hooks registered since the last backward ended
-        self.untracked = False              # a grad-enabled call had no input requiring grad
+        # How the end of this unit's backward is detected, per backward pass (see [Note: releasing
+        # after backward]): inputs hooks not yet fired, inputs hooks registered, and whether a
+        # grad-enabled call had no input requiring grad.
+        self.pending_post_backward = 0
+        self.tracked_calls = 0
+        self.untracked = False
         self._handles = []
-        for f in flats:
-            f.module_unit = self
+
+    def _to(self, state: TrainingState) -> None:
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"zerodp stage 3: module unit {self.name!r} cannot go from {self.state.name} to "
+                               f"{state.name}")
+        self.state = state
 
     def register_hooks(self) -> None:
         # prepend: gather before any user pre-hook that might read the parameters (weight norm)
@@ -110,13 +142,14 @@ class ModuleUnit:
             flat.acquire()
 
     def release_backward_hold(self) -> None:
-        if self.backward_hold:
-            self.backward_hold = False
+        if self.state is TrainingState.BACKWARD:
+            self._to(TrainingState.IDLE)
             self.release()
 
     def end_backward(self) -> None:
-        """The backward is over (flush): drop the hold and the per-pass bookkeeping."""
+        """The backward is over (the strategy's finish_micro_step): drop the hold and the per-pass bookkeeping."""
         self.release_backward_hold()
+        assert self.state is TrainingState.IDLE, f"unit {self.name} ends a backward in state {self.state.name}"
         self.pending_post_backward = 0
         self.tracked_calls = 0
         self.untracked = False
@@ -124,7 +157,11 @@ class ModuleUnit:
     # -- forward ----------------------------------------------------------------------------------
 
     def _pre_forward(self, module, args, kwargs):
-        s = self.strategy
+        s = self.schedule
+        if not s.in_backward:
+            self._to(TrainingState.FORWARD)
+        elif self.state is not TrainingState.BACKWARD:
+            self._to(TrainingState.RECOMPUTE)
         s.enter_forward(self)
         self.acquire()
         s.prefetch_after(self)
@@ -147,15 +184,14 @@ class ModuleUnit:
         self.tracked_calls += 1
 
     def _post_forward(self, module, args, output):
-        s = self.strategy
-        if s.in_backward:
-            # a recomputation (activation checkpointing): keep the values for the backward to come
-            if self.backward_hold:
-                self.release()
-            else:
-                self.backward_hold = True
+        if self.state is TrainingState.RECOMPUTE:
+            self._to(TrainingState.BACKWARD)  # keep the values for the backward to come
         else:
+            # FORWARD: done (nested calls keep FORWARD until the outermost ends); BACKWARD: a
+            # recomputation while already held for backward gives its extra hold back
             self.release()
+            if self.state is TrainingState.FORWARD and self.holds == 0:
+                self._to(TrainingState.IDLE)
         if torch.is_grad_enabled() and output is not None:
             nodes = {t.grad_fn for t in tree_flatten(output)[0]
                      if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None}
@@ -163,7 +199,7 @@ class ModuleUnit:
                 # A node pre-hook runs after the tensor hooks on the same gradient, so when this
                 # output is the next unit's input, that unit is released before this one gathers.
                 node.register_prehook(self._on_output_grad)
-        s.exit_forward(self)
+        self.schedule.exit_forward(self)
 
     # -- backward ---------------------------------------------------------------------------------
 
@@ -172,13 +208,12 @@ class ModuleUnit:
 
     def pre_backward(self) -> None:
         """A gradient reached one of the unit's outputs: gather for the unit's backward."""
-        if self.backward_hold:
+        if self.state is TrainingState.BACKWARD:
             return
-        s = self.strategy
-        s.record_backward(self)
+        self.schedule.record_backward(self)
         self.acquire()
-        self.backward_hold = True
-        s.prefetch_after(self)
+        self._to(TrainingState.BACKWARD)
+        self.schedule.prefetch_after(self)
 
     def post_backward(self) -> None:
         """One forward call's backward is done (its inputs hook fired)."""
@@ -188,10 +223,11 @@ class ModuleUnit:
 
     def on_gradients_complete(self) -> None:
         """A flat unit got all its gradients: release here if no inputs hook can (re-entrant recompute)."""
-        if not self.backward_hold or self.tracked_calls or self.untracked:
+        if self.state is not TrainingState.BACKWARD or self.tracked_calls or self.untracked:
             return
-        if all(f.trainable and f.complete for f in self.gather_set):
+        if all(f.trainable and f.grads.complete for f in self.gather_set):
             self.release_backward_hold()
 
     def __repr__(self) -> str:
-        return f"ModuleUnit({self.name!r}, flats={[f.index for f in self.gather_set]}, holds={self.holds})"
+        return (f"ModuleUnit({self.name!r}, flats={[f.index for f in self.gather_set]}, {self.state.name}, "
+                f"holds={self.holds})")

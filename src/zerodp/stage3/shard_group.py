@@ -15,7 +15,7 @@ interleave differently on different ranks, and the i-th collective of one rank w
 collective on the next rank (a hang, or silently mixed tensors). So reductions run on a second
 communicator over the same ranks (`reduce_group`), issued strictly in the unit order fixed at the
 start of each backward (see Stage3Sharding._launch_ready and [Note: collective order] in
-buckets.py); gathers and the small control collectives stay on the engine's group.
+flat/reduce_queue.py); gathers and the small control collectives stay on the engine's group.
 
 [Note: CUDA streams]
 On CUDA, gathers run on `gather_stream` and reductions on `reduce_stream`, so they overlap compute:
