@@ -25,6 +25,7 @@ import torch
 from . import format as fmt
 from .. import comm
 from ..errors import CheckpointError
+from ..seams import CheckpointEngine
 from .state import canonical_names, describe_tensors, sharded_units
 
 
@@ -102,7 +103,7 @@ def consolidate_main(argv: Optional[list[str]] = None) -> int:
 
 
 @torch.no_grad()
-def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: CheckpointEngine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The engine's full fp32 state dict on CPU; every rank must call it. Empty on ranks > 0 if rank0_only."""
     keep = engine.rank == 0 or not rank0_only
     chunk_numel = engine.config.zero_optimization.allgather_bucket_size

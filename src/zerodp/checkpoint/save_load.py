@@ -47,6 +47,7 @@ from . import format as fmt
 from . import state as cs
 from .. import comm
 from ..errors import CheckpointError
+from ..seams import CheckpointEngine
 from .consolidate import consolidate_checkpoint, consolidate_main, full_state_dict, save_consolidated
 
 __all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
@@ -56,7 +57,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict", "consolidate
 # -- saving ----------------------------------------------------------------------------------------
 
 
-def save_checkpoint(engine, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+def save_checkpoint(engine: CheckpointEngine, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
     """Write a checkpoint of `engine` under save_dir/tag (every rank must call it); returns its path.
 
     Call it between optimizer steps (after the `engine.step()` that ends an accumulation cycle):
@@ -103,7 +104,7 @@ def _prepare_tmp(save_dir: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_rank_files(engine, tmp: Path, client_state: Optional[dict]) -> dict:
+def _write_rank_files(engine: CheckpointEngine, tmp: Path, client_state: Optional[dict]) -> dict:
     """This rank's files; returns what rank 0 needs for meta.json (segments, masters, checksums)."""
     rank, world = engine.rank, engine.world_size
     tensors, segments, units = cs.shard_payload(engine)
@@ -118,7 +119,7 @@ def _write_rank_files(engine, tmp: Path, client_state: Optional[dict]) -> dict:
     return {"segments": segments, "units": units, "files": files}
 
 
-def _build_meta(engine, tag: str, written: list[dict]) -> dict:
+def _build_meta(engine: CheckpointEngine, tag: str, written: list[dict]) -> dict:
     tensors = cs.describe_tensors(engine)
     segments: dict[str, list] = {k: [] for k, e in tensors.items() if e["kind"] == "param" and not e["alias_of"]}
     for rank, w in enumerate(written):
@@ -179,7 +180,7 @@ class _LoadPlan:
     client_state: dict = field(default_factory=dict)
 
 
-def load_checkpoint(engine, load_dir, tag: Optional[str] = None) -> dict:
+def load_checkpoint(engine: CheckpointEngine, load_dir, tag: Optional[str] = None) -> dict:
     """Resume `engine` from a checkpoint saved at any world size or stage; returns its client_state.
 
     Every rank must call it. On any error (raised as CheckpointError on every rank) the engine and
@@ -205,7 +206,7 @@ def _message(error: Exception) -> str:
     return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
 
 
-def _prepare_load(engine, load_dir, tag: Optional[str]) -> _LoadPlan:
+def _prepare_load(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> _LoadPlan:
     tag_dir = fmt.resolve_tag_dir(load_dir, tag)
     meta = fmt.read_meta(tag_dir)
     current = cs.describe_tensors(engine)
@@ -239,7 +240,7 @@ def _prepare_load(engine, load_dir, tag: Optional[str]) -> _LoadPlan:
 
 
 @torch.no_grad()
-def _apply_load(engine, plan: _LoadPlan) -> None:
+def _apply_load(engine: CheckpointEngine, plan: _LoadPlan) -> None:
     meta = plan.meta
     optimizer = engine.optimizer
     for (unit, master), (values, state) in zip(cs.sharded_units(engine), plan.units):
@@ -271,7 +272,7 @@ def _apply_load(engine, plan: _LoadPlan) -> None:
 # -- small collectives -------------------------------------------------------------------------------
 
 
-def _run_on_rank0(engine, what: str, fn) -> None:
+def _run_on_rank0(engine: CheckpointEngine, what: str, fn) -> None:
     """Run `fn` on rank 0 and raise its failure on every rank (no rank proceeds alone)."""
     error = None
     if engine.rank == 0:

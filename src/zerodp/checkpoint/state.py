@@ -23,12 +23,13 @@ from torch import nn
 from . import format as fmt
 from ..errors import CheckpointError
 from ..optim.larc import LARC
+from ..seams import CheckpointEngine
 
 
 # -- describing the model --------------------------------------------------------------------------
 
 
-def describe_tensors(engine) -> dict[str, dict]:
+def describe_tensors(engine: CheckpointEngine) -> dict[str, dict]:
     """meta.json's `tensors`: one entry per key of the model's state_dict, in its order.
 
     Trainable shapes come from the units' layouts, which hold the true shapes even where a
@@ -51,14 +52,14 @@ def describe_tensors(engine) -> dict[str, dict]:
     return out
 
 
-def sharded_units(engine) -> list[tuple[Any, Optional[torch.Tensor]]]:
+def sharded_units(engine: CheckpointEngine) -> list[tuple[Any, Optional[torch.Tensor]]]:
     """Every flat unit whose values are kept in shards, with its fp32 master: the optimizer's units,
     and (stage 3) the units of frozen parameters, which have no master (None)."""
     frozen = engine.sharding.frozen_units
     return list(zip(engine.units, engine.optimizer.masters)) + [(unit, None) for unit in frozen]
 
 
-def canonical_names(engine) -> dict[int, str]:
+def canonical_names(engine: CheckpointEngine) -> dict[int, str]:
     """id(tensor) -> the first state_dict key naming it (the name used on disk)."""
     names: dict[int, str] = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
@@ -72,7 +73,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def optimizer_class(engine) -> tuple[str, Optional[dict]]:
+def optimizer_class(engine: CheckpointEngine) -> tuple[str, Optional[dict]]:
     """The inner optimizer's import path, and LARC's settings when LARC wraps it (else None)."""
     opt = engine.optimizer.optimizer
     inner = opt.optim if isinstance(opt, LARC) else opt
@@ -80,12 +81,12 @@ def optimizer_class(engine) -> tuple[str, Optional[dict]]:
     return f"{type(inner).__module__}.{type(inner).__qualname__}", settings
 
 
-def inner_groups(engine) -> list[tuple[int, dict]]:
+def inner_groups(engine: CheckpointEngine) -> list[tuple[int, dict]]:
     """(user's group index, inner optimizer group) for each group zerodp's optimizer steps."""
     return list(zip(engine.optimizer.group_indices, engine.optimizer.param_groups))
 
 
-def master_index(engine, master: torch.Tensor) -> int:
+def master_index(engine: CheckpointEngine, master: torch.Tensor) -> int:
     """Position of `master` among the optimizer's flat masters (one per trainable unit)."""
     return next(i for i, m in enumerate(engine.optimizer.masters) if m is master)
 
@@ -93,7 +94,7 @@ def master_index(engine, master: torch.Tensor) -> int:
 # -- saving: this rank's slices, scalars, RNG ----------------------------------------------------
 
 
-def shard_payload(engine):
+def shard_payload(engine: CheckpointEngine):
     """This rank's slices of every sharded unit, one entry per parameter segment (views, no copies):
     the fp32 master and elementwise optimizer state of trainable units, the values of frozen ones."""
     names = canonical_names(engine)
@@ -137,12 +138,12 @@ def decode_scalar(entry: dict, device: torch.device):
     return {"bool": bool, "int": int, "float": float}[entry["type"]](entry["value"])
 
 
-def scalar_state_device(engine, master: torch.Tensor) -> torch.device:
+def scalar_state_device(engine: CheckpointEngine, master: torch.Tensor) -> torch.device:
     """Where torch keeps a scalar state tensor such as `step` for `master` (the optimizer knows)."""
     return engine.optimizer.scalar_state_device(master_index(engine, master))
 
 
-def model_states(engine) -> dict[str, torch.Tensor]:
+def model_states(engine: CheckpointEngine) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers that every rank holds whole, under their first names (rank 0)."""
     entries = describe_tensors(engine)
     sharded = {id(p) for unit, _ in sharded_units(engine) for p in unit.params}

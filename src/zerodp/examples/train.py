@@ -196,8 +196,7 @@ def launch(args: TrainArgs) -> dict:
     return results.get(0, {})
 
 
-# ----------------------------------------------------------------------------------------------
-# The worker half: one rank.
+# -- The worker half: one rank. ----------------------------------------------------------------
 
 def _peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -63,7 +63,7 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
 
     def unpack(saved):
         if isinstance(saved, _SavedView):
-            context[id(saved.flat)].hold_until_flush(saved.flat)
+            context[id(saved.flat)].hold_until_backward_ends(saved.flat)
             return saved.tensor
         return saved
 

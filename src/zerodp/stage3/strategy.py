@@ -80,7 +80,7 @@ class Stage3Sharding:
         self.queue = ReduceQueue(shards.process_group, device, async_op=True, max_inflight=self.max_inflight,
                                  reduce_all=False)
         self._owner = {id(f): mu for mu in module_units for f in mu.flats}  # flat unit -> its module unit
-        self._held_until_flush: list[FlatUnit] = []
+        self._held_until_backward_ends: list[FlatUnit] = []
         self._written: list[FlatUnit] = []
         self._hooks = []
         for f in flats:
@@ -104,11 +104,11 @@ class Stage3Sharding:
         unit.borrow(flat)
         return True
 
-    def hold_until_flush(self, flat: FlatUnit) -> None:
+    def hold_until_backward_ends(self, flat: FlatUnit) -> None:
         """Keep `flat` gathered until the current (or next) backward ends (gathered_parameters)."""
-        if flat not in self._held_until_flush:
+        if flat not in self._held_until_backward_ends:
             flat.acquire()
-            self._held_until_flush.append(flat)
+            self._held_until_backward_ends.append(flat)
 
     def on_shard_written(self, flat: FlatUnit) -> None:
         """gathered_parameters wrote new values into `flat`'s shard; `take_written_units` reports it."""
@@ -158,9 +158,9 @@ class Stage3Sharding:
         self.shards.sync_all()
         for mu in self.module_units:
             mu.end_backward()
-        for f in self._held_until_flush:
+        for f in self._held_until_backward_ends:
             f.release()
-        self._held_until_flush.clear()
+        self._held_until_backward_ends.clear()
         self.schedule.finish_backward()
         return received
 
