@@ -5,13 +5,11 @@
 """
 
 from . import optim
-from .config import ConfigError, ZeroConfig, load_config
+from .config import ZeroConfig, load_config
+from .checkpoint import consolidate_checkpoint, save_consolidated
 from .engine import ZeroEngine, initialize
-from .checkpoint_format import CheckpointError
-from .nonfinite import NonFiniteError
-from .watchdog import DivergenceError
-from .consolidate import consolidate_checkpoint, save_consolidated
-from .stage3 import PartitionedParameterError, gathered_parameters, init_context
+from .errors import CheckpointError, ConfigError, DivergenceError, NonFiniteError, PartitionedParameterError
+from .stage3 import gathered_parameters, init_context
 
 __all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ConfigError", "load_config", "optim"]
 __all__ += ["consolidate_checkpoint", "save_consolidated", "CheckpointError", "NonFiniteError", "DivergenceError"]

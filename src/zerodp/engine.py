@@ -1,8 +1,9 @@
 """The engine: forward, backward, step and accumulation over one model, for every ZeRO stage.
 
 Stages are policies over this one engine, not copies of it: stages 0-2 lay trainable parameters out
-in gradient buckets (`buckets.py`), stage 3 in gathered units (`stage3/`); both hand the same
-`ShardedUnit` interface to the `ShardedOptimizer`.
+in gradient buckets (`stage12/`), stage 3 in gathered units (`stage3/`). The engine drives either
+strategy through `seams.ShardingStrategy` and steps its units (`seams.ShardedUnit`) with one
+`ShardedOptimizer`; it is the only caller of both (see seams.py for one step's calls in order).
 
 Scale factors, in one place: backward multiplies the micro-batch mean loss by
     loss_scale / gradient_accumulation_steps
@@ -20,17 +21,23 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import comm, watchdog
-from .buckets import GradReducer, ReducePolicy, build_buckets
-from .config import ConfigError, ZeroConfig, load_config
-from .config_auto import resolve_auto
-from .lr_schedules import build_schedule
-from .memory_report import MemoryReport, measure_memory
-from .nonfinite import NonFiniteError, NonFinitePolicy, check_hyperparameters, describe
+from . import comm
+from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from .comm import watchdog
+from .config import ZeroConfig, load_config
+from .config.auto import resolve_auto
+from .errors import ConfigError, NonFiniteError
+from .optim.lr_schedules import build_schedule
+from .memory.report import MemoryReport, measure_memory
+from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.build import build_optimizer_offload
 from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
-from .optimizer import ShardedOptimizer, StepOutcome
+from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy
+from .seams import ShardingStrategy
+from .stage12.buckets import ReducePolicy, build_buckets
+from .stage12.strategy import GradReducer
+from .stage3 import build_stage3_sharding
 from .stage3.params import PartitionedParameter
 
 log = logging.getLogger("zerodp")
@@ -77,14 +84,12 @@ class ZeroEngine:
         self._broadcast_module_state()
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
-        self.sharding = _build_sharding(model, groups, config, process_group)
+        self.sharding: ShardingStrategy = _build_sharding(model, groups, config, process_group)
         self.units = self.sharding.units
         offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
-            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, gather=self.sharding.after_step,
-            offload=offload)
-        self.sharding.attach_optimizer(self.optimizer)  # stage 3: gathered_parameters writes reach the masters
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -137,7 +142,7 @@ class ZeroEngine:
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward()
             watchdog.activity.enter("reduce")
-            self._received = self.sharding.flush(boundary)
+            self._received = self.sharding.finish_micro_step(boundary)
         self._backward_since_step = True
 
     def step(self) -> None:
@@ -153,9 +158,13 @@ class ZeroEngine:
         watchdog.activity.enter("optimizer step")
         check_hyperparameters(self.optimizer.param_groups)  # a schedule may have produced a NaN lr
         with self._timed("step"):
+            self.sync_written_shards()
             outcome = self.optimizer.step(self._received)
             if outcome is StepOutcome.NONFINITE:
                 self._on_nonfinite()  # raises under `nonfinite: stop`, before the gradients are dropped
+            if outcome is StepOutcome.STEPPED:
+                watchdog.activity.enter("after-step gather")
+                self.sharding.after_step()  # re-assemble full parameters from the updated shards
             for unit in self.units:
                 unit.zero_grad()
         self._loss_finite = None
@@ -194,7 +203,20 @@ class ZeroEngine:
         self._last_step_time = now
         self.timings = dict.fromkeys(self.timings, 0.0)
 
+    def sync_written_shards(self) -> None:
+        """Bring the fp32 masters up to date with shards written outside the optimizer (stage 3's
+        gathered_parameters(modifier_rank=...)); done before anything reads the masters."""
+        written = {id(u) for u in self.sharding.take_written_units()}
+        for index, unit in enumerate(self.units):
+            if id(unit) in written:
+                self.optimizer.load_master_from_shard(index)
+
     # -- read-only figures -----------------------------------------------------------------------
+
+    @property
+    def at_step_boundary(self) -> bool:
+        """True between optimizer steps: no gradient has been accumulated since the last one."""
+        return self.micro_step % self.gradient_accumulation_steps == 0 and not self._backward_since_step
 
     @property
     def loss_scale(self) -> float:
@@ -232,22 +254,18 @@ class ZeroEngine:
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
         """Every rank writes its own shards under save_dir/tag; returns the checkpoint's path."""
-        from .checkpoint import save_checkpoint
-
         watchdog.activity.enter("checkpoint")
+        self.sync_written_shards()
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None) -> dict:
         """Resume from a checkpoint (any world size or stage); returns the saved client_state."""
-        from .checkpoint import load_checkpoint
-
         watchdog.activity.enter("checkpoint")
         return load_checkpoint(self, load_dir, tag=tag)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
-        from .checkpoint import full_state_dict
-
+        self.sync_written_shards()
         return full_state_dict(self, rank0_only=rank0_only)
 
     # -- set-up helpers --------------------------------------------------------------------------
@@ -309,12 +327,11 @@ def _optimizer_groups(model: nn.Module, optimizer) -> list[list[nn.Parameter]]:
     return [sorted(g, key=lambda p: order[id(p)]) for g in groups]
 
 
-def _build_sharding(model: nn.Module, groups, config: ZeroConfig, process_group: comm.ProcessGroup):
-    """The strategy object for the configured stage (see `buckets.GradReducer` for its members)."""
+def _build_sharding(model: nn.Module, groups, config: ZeroConfig,
+                    process_group: comm.ProcessGroup) -> ShardingStrategy:
+    """The strategy for the configured stage (seams.ShardingStrategy)."""
     zero = config.zero_optimization
     if config.stage == 3:
-        from .stage3 import build_stage3_sharding
-
         return build_stage3_sharding(model, groups, config, process_group)
     policy = ReducePolicy.for_stage(config.stage, zero.reduce_scatter)
     buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size)
@@ -336,7 +353,7 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
                process_group: comm.ProcessGroup = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training as `config` says; see the README's quick start."""
     if optimizer is None:  # a VISSL file builds VISSL's param groups, which needs the model
-        from .config_vissl import vissl_initialize_args
+        from .config.vissl import vissl_initialize_args
 
         optimizer, config = vissl_initialize_args(model, config)
     config = load_config(config)

@@ -23,13 +23,10 @@ from typing import Optional, Sequence
 import torch
 
 from . import comm
-from .config import ConfigError, NonFinitePolicy
+from .config import NonFinitePolicy
+from .errors import ConfigError, NonFiniteError
 
 __all__ = ["NonFiniteError", "NonFinitePolicy", "check_hyperparameters", "describe"]
-
-
-class NonFiniteError(FloatingPointError):
-    """A NaN or Inf reached the gradients under `nonfinite: stop`; the message names where."""
 
 
 def check_hyperparameters(param_groups: Sequence[dict], where: str = "the optimizer") -> None:

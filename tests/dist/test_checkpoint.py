@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import zerodp
 from tests.dist.common import make_model, make_optimizer, optimizer_chunks, reference_run, train_steps
-from zerodp import checkpoint_format as fmt
+from zerodp.checkpoint import format as fmt
 from zerodp.checkpoint import consolidate_main
 from zerodp.examples.gpt import GPT, GPTConfig, lm_loss
 

@@ -10,7 +10,7 @@ import pytest
 
 from zerodp import cli
 from zerodp.memory import render_paper_table
-from zerodp.train import TrainArgs
+from zerodp.examples.train import TrainArgs
 
 
 def run_main(capsys, *argv) -> tuple[int, str, str]:
@@ -107,7 +107,7 @@ def test_batch_that_does_not_divide_the_world_is_a_config_error(capsys, tmp_path
 def test_more_ranks_than_cores_is_a_warning(monkeypatch, capsys):
     import torch.distributed.launcher.api as launcher_api
 
-    from zerodp import train
+    from zerodp.examples import train
 
     launched = {}
     monkeypatch.setattr(launcher_api, "elastic_launch",
@@ -123,7 +123,7 @@ def test_more_ranks_than_cores_is_a_warning(monkeypatch, capsys):
 
 
 def test_options_override_config_file_and_defaults(tmp_path, monkeypatch):
-    from zerodp.train import resolve_train_args
+    from zerodp.examples.train import resolve_train_args
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -140,7 +140,7 @@ def test_options_override_config_file_and_defaults(tmp_path, monkeypatch):
 
 
 def test_learning_rate_schedule():
-    from zerodp.train import lr_at
+    from zerodp.examples.train import lr_at
 
     lrs = [lr_at(s, 100, 1.0) for s in range(100)]
     assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)  # 5 warm-up steps
@@ -148,11 +148,12 @@ def test_learning_rate_schedule():
     assert lr_at(100, 100, 1.0) == pytest.approx(0.1)
 
 
-def test_python_m_zerodp_train_is_the_train_command(capsys):
-    from zerodp.train import main
+def test_python_m_zerodp_train_is_the_train_command(capsys, monkeypatch):
+    import runpy
 
+    monkeypatch.setattr(sys, "argv", ["zerodp", "train", "--help"])
     try:
-        main(["--help"])
+        runpy.run_module("zerodp", run_name="__main__")  # `python -m zerodp train`, as torchrun -m runs it
     except SystemExit as exit_:
         assert exit_.code == 0
     assert "usage: zerodp train" in capsys.readouterr().out

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerodp.config import _NOT_SUPPORTED, ZeroConfig, reference_markdown
-from zerodp.config_compat import compat_markdown
+from zerodp.config.schema import _NOT_SUPPORTED, ZeroConfig, reference_markdown
+from zerodp.config.compat import compat_markdown
 
 CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 HEADER = """# Configuration reference

@@ -76,7 +76,7 @@ def test_runs_under_torchrun_without_launching_again(tmp_path):
     out = tmp_path / "torchrun"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "zerodp.train", *TINY, "--stage", "1", "--steps", "3", "--out", str(out)],
+                           "-m", "zerodp", "train", *TINY, "--stage", "1", "--steps", "3", "--out", str(out)],
                           capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("zerodp train summary: stage 1, 2 rank(s)") == 1  # rank 0 only, one world of 2

@@ -1,8 +1,8 @@
 """The CUDA path (NCCL collectives, device-side flags and norms) trains like plain PyTorch on the GPU.
 
 Skipped where no GPU exists; run on a lent GPU machine with `pytest -m gpu tests/gpu`. One GPU is
-enough: NCCL runs with a single rank, which still exercises every collective call and device
-placement of zerodp's own tensors.
+enough: NCCL runs with a single rank, and conftest.py switches on ZERODP_REAL_COLLECTIVES, so every
+collective is really issued (not skipped as at world size 1 by default), on zerodp's own tensors' devices.
 """
 
 

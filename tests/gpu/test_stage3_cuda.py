@@ -1,8 +1,9 @@
 """Stage 3 on CUDA: gathers and reductions on their side streams (events, record_stream) train like
 plain PyTorch, and every gathered buffer is released after each step.
 
-Skipped where no GPU exists; run on a GPU machine with `pytest -m gpu tests/dist/test_stage3_cuda.py`.
-One GPU is enough: NCCL with a single rank still issues every collective on the side streams.
+Skipped where no GPU exists; run on a GPU machine with `pytest -m gpu tests/gpu/test_stage3_cuda.py`.
+One GPU is enough: NCCL with a single rank, and conftest.py's ZERODP_REAL_COLLECTIVES=1 makes every
+collective really run on the side streams (zerodp skips them at world size 1 by default).
 """
 
 from __future__ import annotations

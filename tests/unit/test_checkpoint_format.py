@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from zerodp import CheckpointError
-from zerodp import checkpoint_format as fmt
+from zerodp.checkpoint import format as fmt
 
 
 def test_tensor_file_is_plain_safetensors_and_its_checksum_is_the_files(tmp_path):

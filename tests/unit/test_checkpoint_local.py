@@ -17,7 +17,7 @@ from torch import nn
 import zerodp
 from tests.dist.common import make_model, make_optimizer, micro_batch
 from zerodp import CheckpointError
-from zerodp import checkpoint_format as fmt
+from zerodp.checkpoint import format as fmt
 from zerodp.checkpoint import consolidate_main
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1, "reduce_bucket_size": 300}}

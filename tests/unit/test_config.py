@@ -145,3 +145,39 @@ def test_bucket_sizes_at_stage_3_warn_that_they_do_not_apply():
         warnings.simplefilter("error")
         load_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})
         load_config({"zero_optimization": {"stage": 3}})
+
+
+def test_vissl_reduce_buffer_size_is_the_stage_2_bucket():
+    """VISSL passes reduce_buffer_size (elements) to ShardedDDP only under USE_SDP; -1 means fairscale's 2**23."""
+    sdp = {"MODEL": {"SHARDED_DDP_SETUP": {"USE_SDP": True, "reduce_buffer_size": 1000}}}
+    assert load_config(sdp).zero_optimization.reduce_bucket_size == 1000
+    sdp["MODEL"]["SHARDED_DDP_SETUP"]["reduce_buffer_size"] = -1
+    assert load_config(sdp).zero_optimization.reduce_bucket_size == 2 ** 23
+    sdp["MODEL"]["SHARDED_DDP_SETUP"]["reduce_buffer_size"] = 0  # fairscale: no bucketing
+    assert load_config(sdp).zero_optimization.reduce_bucket_size == 1
+    no_sdp = {"MODEL": {"SHARDED_DDP_SETUP": {"USE_SDP": False, "reduce_buffer_size": 1000}}}
+    with pytest.warns(UserWarning, match="reduce_buffer_size has no effect without USE_SDP"):
+        assert load_config(no_sdp).stage == 0
+
+
+@pytest.mark.parametrize("bad", [
+    {"MODEL": {"SHARDED_DDP_SETUP": [1, 2]}},                                      # not a mapping
+    {"MODEL": {"SHARDED_DDP_SETUP": {"USE_SDP": True, "reduce_buffer_size": "big"}}},  # not a number
+    {"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd", "lr": "fast"}}},
+    {"OPTIMIZER": {"name": "zero", "param_schedulers": "cosine", "base_optimizer": {"name": "sgd"}}},
+])
+def test_vissl_errors_are_one_line_config_errors(bad):
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    message = str(info.value)
+    assert message.startswith("VISSL config: ") and "\n" not in message
+
+
+def test_allgather_bucket_size_at_stage_3_is_honoured_silently():
+    """At stage 3 it still bounds engine.full_state_dict()'s gathers, so it is not reported as ignored."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config({"zero_optimization": {"stage": 3, "allgather_bucket_size": 7}}
+                           ).zero_optimization.allgather_bucket_size == 7

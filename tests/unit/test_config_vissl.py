@@ -12,8 +12,8 @@ from torch import nn
 import zerodp
 from zerodp.config import ConfigError, load_config
 from zerodp.config_vissl import load_vissl
-from zerodp.vissl_defaults import VISSL_DEFAULTS
-from zerodp.vissl_params import vissl_param_groups
+from zerodp.config.vissl_defaults import VISSL_DEFAULTS
+from zerodp.config.vissl_params import vissl_param_groups
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vissl"
 SWAV, SIMCLR = CONFIGS / "swav_8node_resnet.yaml", CONFIGS / "simclr_8node_resnet.yaml"

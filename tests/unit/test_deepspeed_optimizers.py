@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerodp.config import ConfigError, load_config
-from zerodp.config_auto import hidden_size, resolve_auto
+from zerodp.config.auto import hidden_size, resolve_auto
 from zerodp.optim.build import OptimizerError, build_from_section
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zerodp.lr_schedules import LRScheduleError, build_schedule
+from zerodp.optim.lr_schedules import LRScheduleError, build_schedule
 
 
 def _opt(lr=0.1, cls=torch.optim.AdamW, groups=1):

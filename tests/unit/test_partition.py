@@ -2,7 +2,7 @@
 
 import pytest
 
-from zerodp.partition import FlatLayout, chunk_ranges
+from zerodp.flat.layout import FlatLayout, chunk_ranges
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])

@@ -6,8 +6,8 @@ and keeps `deepspeed.initialize(args=..., model=..., model_parameters=..., confi
 `engine.backward(loss)`, `engine.step()`, `engine.save_checkpoint(dir, client_state=...)`,
 `engine.load_checkpoint(dir)`, `deepspeed.zero.Init`, `deepspeed.comm.get_rank()`, ...
 
-This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config_compat`), the
-optimizers (`optim.deepspeed_types`) and the schedules (`lr_schedules`) are zerodp's own.
+This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config.compat`), the
+optimizers (`optim.deepspeed_types`) and the schedules (`optim.lr_schedules`) are zerodp's own.
 Where zerodp differs from DeepSpeed on purpose (see `DeepSpeedEngine`), it is exact: every stage
 equals plain single-process PyTorch on the global batch.
 """

@@ -218,7 +218,7 @@ class DeepSpeedEngine:
             raise ConfigError("load_checkpoint: loading only the module (load_optimizer_states=False, "
                               "load_module_only=True, load_module_strict=False, custom_load_fn) is not implemented; "
                               "load the weights with zerodp.consolidate_checkpoint(path) and model.load_state_dict")
-        from ..checkpoint_format import resolve_tag_dir
+        from ..checkpoint.format import resolve_tag_dir
 
         path = resolve_tag_dir(load_dir, None if tag is None else str(tag))
         client_state = _load_checkpoint(self.engine, load_dir, tag=None if tag is None else str(tag),

@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint_state import master_index, sharded_units
-from ..consolidate import _gather_flat
+from ..checkpoint.state import master_index, sharded_units
+from ..checkpoint.consolidate import _gather_flat
 
 
 def _locate(param: torch.nn.Parameter):

@@ -17,7 +17,7 @@ from .. import comm
 from ..config import ConfigError, ZeroConfig
 from ..optim.build import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
-from ..optimizer import OPTIMIZER_CHUNK_NUMEL
+from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
 from .config import OffloadDevice, ignored_settings
 from .file_io import FileIO
 from .optimizer_state import OffloadedOptimizerState

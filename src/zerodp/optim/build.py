@@ -17,6 +17,7 @@ import torch
 from .deepspeed_types import build_deepspeed_type, check_no_auto
 from .fused_adam import FusedAdam
 from .fused_lamb import FusedLamb
+from ..errors import OptimizerError
 from .lamb import LAMB
 from .larc import LARC
 
@@ -29,10 +30,6 @@ SHARD_AWARE = (LAMB, FusedLamb)
 _BY_NAME = {cls.__name__.lower(): cls for cls in ELEMENTWISE + SHARD_AWARE}
 
 OptimizerLike = Union[torch.optim.Optimizer, LARC]
-
-
-class OptimizerError(ValueError):
-    """An optimizer zerodp cannot run exactly, or a bad optimizer section."""
 
 
 def check_supported(optimizer: OptimizerLike, allow_untested: bool) -> None:

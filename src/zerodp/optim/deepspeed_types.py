@@ -38,7 +38,7 @@ def check_no_auto(section_type: str, params: dict) -> None:
     """Refuse "auto" optimizer params: only an integration such as HF's Trainer can fill them in."""
     autos = sorted(k for k, v in params.items() if v == "auto")
     if autos:
-        from .build import OptimizerError
+        from ..errors import OptimizerError
 
         raise OptimizerError(f"optimizer ({section_type}) params {', '.join(autos)} are 'auto', which the HF Trainer "
                              f"fills in from its arguments; write values (DeepSpeed's defaults: lr 1e-3, betas "
@@ -47,7 +47,7 @@ def check_no_auto(section_type: str, params: dict) -> None:
 
 def build_deepspeed_type(section_type: str, params: dict, model_params) -> Optional[torch.optim.Optimizer]:
     """The optimizer DeepSpeed builds for `section_type`, or None when the name is not one of DeepSpeed's own."""
-    from .build import OptimizerError
+    from ..errors import OptimizerError
 
     name = section_type.lower()
     if name in _REFUSED:
@@ -66,7 +66,7 @@ def build_deepspeed_type(section_type: str, params: dict, model_params) -> Optio
 
 
 def _adam(name: str, params: dict[str, Any], model_params) -> torch.optim.Optimizer:
-    from .build import OptimizerError
+    from ..errors import OptimizerError
 
     torch_adam = bool(params.pop("torch_adam", False))
     # DeepSpeed: type Adam means AdamW-style decoupled decay unless adam_w_mode is false; AdamW always is.

@@ -1,11 +1,13 @@
 """ZeRO stage 3 (the paper's Pos+g+p): parameters partitioned across ranks, gathered just in time.
 
-    strategy.py    what the engine drives: build_stage3_sharding, the Stage3Sharding strategy
-    wrap.py        which modules become units and which unit holds each parameter
-    units.py       FlatUnit: one flat, sharded buffer of parameters (what the optimizer steps)
-    hooks.py       ModuleUnit: the forward/backward hooks that gather and release
+    strategy.py    Stage3Sharding: what the engine drives (seams.ShardingStrategy); the gradient path
+    build.py       build_stage3_sharding: module units and flat units from a model
+    wrap.py        which modules become module units and which one holds each parameter
+    module_unit.py ModuleUnit: the forward/backward hooks that gather and release; TrainingState
+    schedule.py    Schedule: the pass running, the forward stack, recorded order, prefetch trigger
     prefetch.py    the recorded execution order and the prefetch budget
-    collectives.py ShardGroup: the two communicators, CUDA streams, live-memory counters
+    flat_unit.py   FlatUnit: one flat, sharded buffer of parameters (what the optimizer steps)
+    shard_group.py ShardGroup: the two communicators, CUDA streams, live-memory counters
     params.py      PartitionedParameter: what a parameter is while only its shard exists
     gathered.py    gathered_parameters: full parameters outside forward
     init.py        init_context: parameters partitioned as the model is built
@@ -14,7 +16,8 @@
 from .gathered import gathered_parameters
 from .init import init_context
 from .params import PartitionedParameter, PartitionedParameterError
-from .strategy import Stage3Sharding, build_stage3_sharding
+from .build import build_stage3_sharding
+from .strategy import Stage3Sharding
 
 __all__ = ["build_stage3_sharding", "Stage3Sharding", "gathered_parameters", "init_context", "PartitionedParameter",
            "PartitionedParameterError"]

@@ -18,7 +18,7 @@ be there) and the values are not written back.
 
 Autograd: a tensor computed inside the block may enter the loss. Tensors that autograd saves from
 the gathered storage are marked (saved-tensor hooks), and when backward needs one again the unit
-is gathered on the spot and kept until that backward ends (engine.backward's flush).
+is gathered on the spot and kept until that backward ends (the strategy's finish_micro_step).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 
 from .. import comm
-from .params import PartitionedParameterError, owner_of
+from ..errors import PartitionedParameterError
+from .flat_unit import FlatUnit
+from .params import context_of, owner_of
 
 
 @contextlib.contextmanager
@@ -37,18 +39,18 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
                         modifier_rank: Optional[int] = None) -> Iterator[None]:
     """Gather `params` (a parameter or an iterable of them) for the block; see the module docstring."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    flats, whole, seen = [], [], set()
+    flats, whole, context = [], [], {}  # context: id(flat) -> the strategy it belongs to
     for p in params:
         flat = owner_of(p)
         if flat is None:
             whole.append(p)
-        elif not hasattr(flat, "acquire"):
+        elif not isinstance(flat, FlatUnit):
             raise PartitionedParameterError("gathered_parameters: a parameter created under zerodp.init_context "
                                             "is gathered by its engine; call zerodp.initialize(model, ...) first")
-        elif id(flat) not in seen:
-            seen.add(id(flat))
+        elif id(flat) not in context:
+            context[id(flat)] = context_of(p)
             flats.append(flat)
-    flats.sort(key=lambda f: (f.strategy.serial if f.strategy is not None else -1, f.index))
+    flats.sort(key=lambda f: (context[id(f)].serial, f.index))
     for f in flats:
         f.acquire(wait=False)
     for f in flats:
@@ -61,8 +63,7 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
 
     def unpack(saved):
         if isinstance(saved, _SavedView):
-            if saved.flat.strategy is not None:
-                saved.flat.strategy.hold_until_flush(saved.flat)
+            context[id(saved.flat)].hold_until_backward_ends(saved.flat)
             return saved.tensor
         return saved
 
@@ -76,6 +77,7 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
         if finished and modifier_rank is not None:
             for f in flats:
                 f.write_back(modifier_rank)
+                context[id(f)].on_shard_written(f)  # the engine refreshes the fp32 master from it
             group = flats[0].shards.process_group if flats else None
             for p in whole:
                 with torch.no_grad():

@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import comm
 from ..config import ConfigError, load_config
-from ..flat_buffer import alloc_storage, free_storage
+from ..flat.buffer import alloc_storage, free_storage
 from ..precision import PrecisionPolicy
 from .params import PartitionedParameter, owner_of, register_owner, set_partitioned, unregister_owner
 
@@ -87,12 +87,6 @@ class _InitShard:
         free_storage(self.full)
         self.whole = False
 
-    def gather_on_access(self, owners: list) -> bool:
-        if not self.ctx.active:
-            return False
-        self.ctx.make_whole([o for o in owners if isinstance(o, _InitShard)])
-        return True
-
     # -- handing over to the engine ---------------------------------------------------------------
 
     def to_dtype(self, dtype: torch.dtype) -> None:
@@ -131,9 +125,16 @@ class _InitContext:
         if param.numel() < self.threshold:
             return None  # stays whole: the engine keeps it whole anyway (persistent)
         shard = _InitShard(param, self)
-        register_owner(param, shard)
+        register_owner(param, shard, self)
         self.shards.append(shard)
         return None
+
+    def gather_on_access(self, owner: _InitShard, owners: list) -> bool:
+        """A parameter built sharded was read during the block: make it (and the op's others) whole."""
+        if not self.active:
+            return False
+        self.make_whole([o for o in owners if isinstance(o, _InitShard)])
+        return True
 
     def make_whole(self, shards: list[_InitShard]) -> None:
         """Gather `shards`; partition again whatever else was whole (one parameter at a time)."""

@@ -14,26 +14,26 @@ any use of the values into a `PartitionedParameterError` that names `zerodp.gath
 instead of torch's "storage of size 0" error or, worse, a silent wrong value. The one exception is
 a read during some module's forward (a parent calling `F.linear(h, self.embed.weight)` where
 `embed` is a unit of its own): the running unit then gathers the owner on the spot and keeps it in
-its own gather set from then on (see [Note: external parameters] in hooks.py). While gathered, the
+its own gather set from then on (see [Note: external parameters] in module_unit.py). While gathered, the
 class is plain `nn.Parameter` again, so compute pays nothing for the check.
 
-The registry maps a parameter to the flat unit that holds it, so that `gathered_parameters(params)`
-needs nothing but the parameters. It is keyed by `id()` with a weak reference to the parameter
-(tensors cannot be WeakKeyDictionary keys: `==` is elementwise), and holds no configuration.
+The registry maps a parameter to the flat unit that holds it and to that unit's `ShardContext`
+(the stage-3 strategy, or init_context while a model is built), so that `gathered_parameters(params)`
+needs nothing but the parameters, and a read of a sharded parameter reaches the layer that decides
+what to do without the unit pointing back up. It is keyed by `id()` with a weak reference to the
+parameter (tensors cannot be WeakKeyDictionary keys: `==` is elementwise), and holds no configuration.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-
-class PartitionedParameterError(RuntimeError):
-    """A partitioned (ZeRO stage 3) parameter was read outside a gather."""
+from ..errors import PartitionedParameterError
 
 
 _Tensor = torch.Tensor
@@ -49,22 +49,40 @@ _METADATA = {
     _Tensor.__hash__, _Tensor.get_device, torch._has_compatible_shallow_copy_type,
 }
 
-_OWNERS: dict[int, tuple[weakref.ref, Any]] = {}
+class ShardContext(Protocol):
+    """What decides about a sharded parameter's owner beyond the owner itself (the stage-3 strategy,
+    or init_context's record while the model is built)."""
+
+    def gather_on_access(self, owner: Any, owners: list) -> bool:
+        """A sharded parameter of `owner` was read (with `owners`, those of the operation's other
+        sharded arguments): gather it on the spot and return True, or return False (an error)."""
 
 
-def register_owner(param: nn.Parameter, unit: Any) -> None:
-    """Record that `unit` holds `param`: a FlatUnit, or init_context's record of a parameter built
-    partitioned. Owners implement `gather_on_access(owners) -> bool`, `name_of(param)`, `module_name`."""
+_OWNERS: dict[int, tuple[weakref.ref, Any, Any]] = {}
+
+
+def register_owner(param: nn.Parameter, unit: Any, context: ShardContext) -> None:
+    """Record that `unit` holds `param` (a FlatUnit, or init_context's record of a parameter built
+    sharded) under `context`. Owners implement `name_of(param)` and `module_name`."""
     key = id(param)
-    _OWNERS[key] = (weakref.ref(param, lambda _ref, key=key: _OWNERS.pop(key, None)), unit)
+    _OWNERS[key] = (weakref.ref(param, lambda _ref, key=key: _OWNERS.pop(key, None)), unit, context)
+
+
+def _entry(param: torch.Tensor):
+    entry = _OWNERS.get(id(param))
+    return None if entry is None or entry[0]() is not param else entry
 
 
 def owner_of(param: torch.Tensor) -> Optional[Any]:
     """The owner of `param` (see register_owner), or None for a parameter zerodp does not partition."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]
+    entry = _entry(param)
+    return None if entry is None else entry[1]
+
+
+def context_of(param: torch.Tensor) -> Optional[ShardContext]:
+    """The context `param` was registered under (see register_owner), or None."""
+    entry = _entry(param)
+    return None if entry is None else entry[2]
 
 
 def unregister_owner(param: nn.Parameter) -> None:
@@ -93,7 +111,8 @@ class PartitionedParameter(nn.Parameter):
         partitioned = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, PartitionedParameter)]
         owners = [owner_of(p) for p in partitioned]
         for p, owner in zip(partitioned, owners):
-            if owner is None or not owner.gather_on_access(owners):
+            context = context_of(p)
+            if owner is None or context is None or not context.gather_on_access(owner, owners):
                 raise PartitionedParameterError(_message(p, owner, func))
         # Gathered on the spot (a module's forward, or init_context): plain Parameters again.
         return func(*args, **kwargs)

@@ -24,12 +24,12 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Optional
 
-from .units import ShardState
+from .flat_unit import ShardState
 
 if TYPE_CHECKING:
-    from .collectives import ShardGroup
-    from .hooks import ModuleUnit
-    from .units import FlatUnit
+    from .flat_unit import FlatUnit
+    from .module_unit import ModuleUnit
+    from .shard_group import ShardGroup
 
 
 class Pass(Enum):

@@ -1,0 +1,14 @@
+"""Checkpoints: sharded save and load at any world size or stage, consolidation to one state dict.
+
+    save_load.py     save_checkpoint, load_checkpoint (atomic commit, resharding on load)
+    format.py        the on-disk format: file names, meta.json, safetensors files, checksums
+    state.py         what a checkpoint holds of an engine, and how a new layout finds its part of it
+    consolidate.py   full fp32 state dicts from disk (no process group) or from a live engine
+"""
+
+from ..errors import CheckpointError
+from .consolidate import consolidate_checkpoint, consolidate_main, full_state_dict, save_consolidated
+from .save_load import load_checkpoint, save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
+           "consolidate_main", "CheckpointError"]

@@ -1,0 +1,319 @@
+"""The `zerodp` command: `train`, `estimate` and `consolidate`.
+
+    zerodp train [--stage 0-3] [--nproc N] [--steps S] [--model tiny|small|base] ...
+    zerodp estimate --params 7.5e9 --world-size 64      (or --model small, or --paper)
+    zerodp consolidate CKPT_DIR OUT [--tag T]
+
+This module owns the options, their help text and the error contract: a user mistake (a bad
+option or config, a missing folder) is one line on stderr and exit code 2, never a traceback. The
+job itself lives in `examples/train.py`, the memory formulas in `memory/`, consolidation in `checkpoint/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError, UsageError
+from ..examples.gpt import MODEL_PRESETS
+from ..examples.train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STAGE, DEFAULT_STEPS
+from ..memory import OPTIMIZER_STATES
+
+PAPER_MODELS = (7.5e9, 128e9, 1e12)
+PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
+STAGE_NAMES = {0: "baseline DP (nothing sharded)", 1: "Pos (optimizer states)", 2: "Pos+g (+ gradients)",
+               3: "Pos+g+p (+ parameters)"}
+TRAIN_OPTIONS = ("config", "stage", "nproc", "steps", "model", "micro_batch", "seq_len", "lr", "precision",
+                 "resume", "out", "log_every", "seed")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage dump) and exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 (argparse's name)
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="zerodp", description="ZeRO data parallelism for PyTorch: train the bundled GPT "
+                     "across local ranks, estimate per-rank memory, consolidate checkpoints.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="'zerodp COMMAND --help' explains each command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_estimate(sub)
+    _add_consolidate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _add_bench(sub) -> None:
+    from ..bench.runner import add_arguments
+
+    p = sub.add_parser("bench", help="zerodp's stages side by side with DDP, FSDP and DeepSpeed",
+                       description=_wrap("Run DDP, torch's ZeroRedundancyOptimizer, FSDP1, FSDP2, DeepSpeed (when "
+                                         "installed) and zerodp's stages in alternating rounds on local ranks; "
+                                         "report step time as a ratio to DDP, tokens/s, peak live and RSS memory, "
+                                         "model-state bytes against the formula, traffic and loss agreement, in "
+                                         "bench/RESULTS.md with a chart. Needs an otherwise idle machine."))
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from ..bench.runner import compare, sweep
+
+    sweep(ns) if ns.sweep else compare(ns)
+    return 0
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train the bundled GPT with ZeRO on local ranks",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_wrap("Train the bundled GPT (zerodp.examples.gpt) on the Python standard library's source "
+                    "(byte tokens, nothing to download) across N local ranks started with torchrun's launcher "
+                    "API. Shows a progress bar, logs every K steps, writes metrics.jsonl/metrics.csv, and at the "
+                    "end prints per-rank memory (measured and predicted), the validation loss and a text sample, "
+                    "draws loss.png and saves a checkpoint, all under --out."),
+        epilog="Settings come from, in order of precedence: these options, the --config file, the run.json "
+               "saved in a --resume folder, the defaults.\n\n"
+               "Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) nothing is launched and --nproc is ignored:\n"
+               "  torchrun --nproc_per_node 2 -m zerodp train --stage 2 --steps 100\n\n"
+               "examples:\n"
+               "  zerodp train                                  # the default job: stage 3, 2 ranks, ~5 min\n"
+               "  zerodp train --stage 1 --model tiny --steps 50 --out runs/s1\n"
+               "  zerodp train --resume runs/s1 --steps 100     # continue runs/s1 up to step 100")
+    p.add_argument("--config", metavar="FILE", help="zerodp/DeepSpeed config (.json, .yaml); the options below "
+                   "override its keys. Default: stage 3, gradient clipping 1.0, micro-batch 8.")
+    p.add_argument("--stage", type=int, choices=range(4), metavar="{0,1,2,3}",
+                   help=f"ZeRO stage: 0 plain data parallel, 1 shards optimizer states, 2 also gradients, 3 also "
+                        f"parameters (default {DEFAULT_STAGE}; sets zero_optimization.stage)")
+    p.add_argument("--nproc", type=int, metavar="N", help="local ranks to launch, one process each (default 2; "
+                   "more than the CPU cores is allowed but warned about)")
+    p.add_argument("--steps", type=int, metavar="S", help=f"optimizer steps of the whole run, counting steps "
+                   f"done before a --resume (default {DEFAULT_STEPS})")
+    p.add_argument("--model", choices=list(MODEL_PRESETS), help="GPT preset (default small, ~3.3M parameters; "
+                   "tiny ~0.12M for tests; base ~25M)")
+    p.add_argument("--micro-batch", type=int, metavar="B", help="sequences per rank per forward (default "
+                   f"{DEFAULT_MICRO_BATCH}; sets train_micro_batch_size_per_gpu)")
+    p.add_argument("--seq-len", type=int, metavar="T", help="tokens (bytes) per sequence, at most the model's "
+                   "block_size (default: the block_size: tiny 64, small 128, base 256)")
+    p.add_argument("--lr", type=float, metavar="LR", help=f"peak AdamW learning rate, reached after a 5%% linear "
+                   f"warm-up and decayed by a cosine to a tenth (default {DEFAULT_LR:g})")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute dtype; bf16/fp16 keep fp32 "
+                   "master weights, fp16 adds dynamic loss scaling (default fp32; sets bf16/fp16.enabled)")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint: a previous run's --out folder "
+                   "(its checkpoints/ is used and its run.json supplies the settings) or a checkpoints folder")
+    p.add_argument("--out", metavar="DIR", help="output folder for metrics, plot, sample, summary.json and "
+                   "checkpoints/ (default runs/train-<time>; with --resume of a run folder, that folder)")
+    p.add_argument("--log-every", type=int, metavar="K", help="print a log line every K steps (default 25)")
+    p.add_argument("--seed", type=int, metavar="S", help="seed of the initial weights, the data order and the "
+                   "sample (default 0)")
+    p.set_defaults(func=_cmd_train)
+
+
+def _add_estimate(sub) -> None:
+    p = sub.add_parser(
+        "estimate", help="per-rank model-state memory of each ZeRO stage (the paper's formulas)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_wrap("Print the memory of model states (parameters, gradients, optimizer states) that one rank "
+                    "holds under each ZeRO stage: (2+2+K)*Psi bytes unsharded for mixed-precision Adam (K=12), "
+                    "divided by N for what a stage shards (Rajbhandari et al., SC20, section 3)."),
+        epilog="examples:\n"
+               "  zerodp estimate --params 7.5e9 --world-size 64   # 120 / 31.4 / 16.6 / 1.88 GB\n"
+               "  zerodp estimate --model small --world-size 2     # the local job, with activations\n"
+               "  zerodp estimate --paper                          # Table 1 of the paper")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", metavar="PSI", help="parameter count: 7.5e9, 7.5B, 350M, 1T")
+    what.add_argument("--model", choices=list(MODEL_PRESETS), help="a bundled GPT preset: its exact "
+                      "parameter count, plus activation and buffer memory")
+    what.add_argument("--paper", action="store_true", help="print the paper's Table 1 (7.5B, 128B and 1T "
+                      "parameters at DP degree 1 to 1024)")
+    p.add_argument("--world-size", type=int, metavar="N", help="data-parallel ranks (default 64 with --params, "
+                   "2 with --model)")
+    p.add_argument("--stage", type=int, choices=range(4), metavar="{0,1,2,3}", help="print only this stage")
+    p.add_argument("--precision", choices=("mixed", "fp32"), help="mixed: 2-byte params and grads plus an fp32 "
+                   "master copy in K; fp32: 4-byte params and grads, no copy (default mixed with --params, fp32 "
+                   "with --model, as `zerodp train` runs)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam", help="sets the fp32 "
+                   "states per parameter: adam/adamw/lamb 2, sgd/adagrad 1, sgd-nomomentum 0 (default adam)")
+    p.add_argument("--offload", choices=("cpu", "nvme"), help="also print where an offloaded run keeps its "
+                   "model states per rank: device, host and disk bytes (offload_optimizer.device)")
+    p.add_argument("--sub-group-size", type=float, default=1e9, metavar="W", help="with --offload nvme: "
+                   "elements per streamed window (zero_optimization.sub_group_size, default 1e9)")
+    p.add_argument("--buffer-count", type=int, default=4, metavar="B", help="with --offload nvme: I/O buffers "
+                   "(offload_optimizer.buffer_count, default 4)")
+    p.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH, metavar="B",
+                   help=f"with --model: sequences per rank, for the activation estimate "
+                        f"(default {DEFAULT_MICRO_BATCH})")
+    p.add_argument("--seq-len", type=int, metavar="T", help="with --model: tokens per sequence (default: the "
+                   "model's block_size)")
+    p.set_defaults(func=_cmd_estimate)
+
+
+def _add_consolidate(sub) -> None:
+    p = sub.add_parser("consolidate", help="merge a sharded checkpoint into one full state dict",
+                       description="Read the per-rank shards a run saved under CKPT_DIR (any stage, any world "
+                                   "size) and write the full model to OUT, loadable without zerodp.")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="the folder given to engine.save_checkpoint "
+                   "(e.g. runs/X/checkpoints)")
+    p.add_argument("out", metavar="OUT", help="the file to write: *.safetensors, or *.pt / *.pth / *.bin "
+                   "for torch.save")
+    p.add_argument("--tag", metavar="T", help="which checkpoint under CKPT_DIR (default: the latest)")
+    p.set_defaults(func=_cmd_consolidate)
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands.
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from ..examples.train import launch, resolve_train_args
+
+    args = resolve_train_args({k: getattr(ns, k) for k in TRAIN_OPTIONS})
+    try:
+        launch(args)
+    except ChildFailedError as err:
+        print(f"zerodp: error: a rank failed; the launcher's report follows\n{err}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, SignalException):
+        print("zerodp: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def parse_count(text: str) -> float:
+    """'7.5e9', '7.5B', '350M', '1T', '120K' -> a number of parameters."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    t = text.strip().upper()
+    try:
+        value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+    except ValueError:
+        raise UsageError(f"--params {text!r} is not a number (examples: 7.5e9, 7.5B, 350M, 1T)") from None
+    if not value >= 1:
+        raise UsageError(f"--params must be at least 1, got {text}")
+    return value
+
+
+def _unit(total_bytes: float) -> tuple[str, float]:
+    for name, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if total_bytes >= size:
+            return name, size
+    return "B", 1.0
+
+
+def render_estimate(numel: float, world_size: int, precision: str, optimizer: str,
+                    stages: tuple[int, ...] = (0, 1, 2, 3)) -> str:
+    """The per-stage model-state table for one rank (decimal units, rounded as the paper's Table 1)."""
+    from ..memory import format_param_count, paper_round, precision_bytes, predict_model_state_bytes
+
+    p, g, k = precision_bytes(precision, optimizer)
+    unit, size = _unit((p + g + k) * numel)
+    lines = [f"model states per rank: Psi = {format_param_count(numel)} parameters ({int(numel):,}), "
+             f"N = {world_size} rank(s), {precision} precision, {optimizer}: {p} + {g} + K={k} bytes per parameter",
+             f"(decimal units, 1 {unit} = {size:.0e} bytes, rounded as the paper's Table 1)",
+             f"| stage | sharded | params ({unit}) | grads ({unit}) | optimizer ({unit}) | total ({unit}) |",
+             "|---|---|---|---|---|---|"]
+    for stage in stages:
+        b = predict_model_state_bytes(int(numel), world_size, stage, param_bytes=p, grad_bytes=g, optimizer_bytes=k)
+        cells = [paper_round(v / size) for v in (b.params, b.grads, b.optimizer, b.total)]
+        lines.append(f"| {stage} | {STAGE_NAMES[stage]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _render_model_extras(model: str, numel: int, world_size: int, precision: str, micro_batch: int,
+                         seq_len: int) -> str:
+    from ..config import ZeroOptimizationConfig
+    from ..memory import estimate_activation_bytes, format_bytes
+
+    cfg = MODEL_PRESETS[model]
+    elem = 2 if precision == "mixed" else 4
+    act = estimate_activation_bytes(cfg, micro_batch, seq_len, elem)
+    act_ckpt = estimate_activation_bytes(cfg, micro_batch, seq_len, elem, checkpointing=True)
+    zero = ZeroOptimizationConfig()
+    bucket = min(zero.reduce_bucket_size, numel) * elem
+    live = min(zero.stage3_max_live_parameters, numel) * elem
+    return "\n".join([
+        f"activations per rank, one micro-batch of {micro_batch} x {seq_len} tokens, {elem}-byte elements: "
+        f"{format_bytes(act)} ({format_bytes(act_ckpt)} with activation checkpointing per block)",
+        "  assumes: fused SDPA attention (no T x T matrix saved), dropout off, the loss's fp32 log-probabilities "
+        "(B*T*V*4 bytes); not sharded by ZeRO, the same at every stage (memory.estimate_activation_bytes)",
+        "temporary buffers per rank, upper bounds from the config defaults (not in the table above):",
+        f"  stage 2: a full gradient bucket while it is reduced, min(reduce_bucket_size, Psi) elements = "
+        f"{format_bytes(bucket)}",
+        f"  stage 3: gathered full parameters, min(stage3_max_live_parameters, Psi) elements = {format_bytes(live)}"
+        f", plus a full gradient bucket of {format_bytes(bucket)} during backward",
+        f"  (N = {world_size}; the torch runtime itself takes a few hundred MB of RSS per process on top)"])
+
+
+def _cmd_estimate(ns: argparse.Namespace) -> int:
+    from ..memory import estimate_model_numel, render_paper_table
+
+    if ns.paper:
+        print("ZeRO paper, Table 1: per-device model-state memory (GB) of mixed-precision Adam (K=12) by DP "
+              "degree; Pos = stage 1, Pos+g = stage 2, Pos+g+p = stage 3")
+        print(render_paper_table(PAPER_MODELS, PAPER_DP_DEGREES))
+        return 0
+    if ns.model is not None:
+        numel, world, precision = estimate_model_numel(MODEL_PRESETS[ns.model]), ns.world_size or 2, \
+            ns.precision or "fp32"
+    else:
+        numel, world, precision = parse_count(ns.params), ns.world_size or 64, ns.precision or "mixed"
+    if world < 1:
+        raise UsageError(f"--world-size must be at least 1, got {world}")
+    stages = (0, 1, 2, 3) if ns.stage is None else (ns.stage,)
+    print(render_estimate(numel, world, precision, ns.optimizer, stages))
+    if ns.offload is not None:
+        from ..memory import OPTIMIZER_STATES, precision_bytes
+        from ..offload.estimate import render_offload_estimate
+
+        print(render_offload_estimate(numel, world, precision_bytes(precision, ns.optimizer),
+                                      OPTIMIZER_STATES[ns.optimizer], ns.offload, stages, ns.sub_group_size,
+                                      ns.buffer_count))
+    if ns.model is not None:
+        block = MODEL_PRESETS[ns.model].block_size
+        seq_len = ns.seq_len or block
+        if not 1 <= seq_len <= block or ns.micro_batch < 1:
+            raise UsageError(f"--seq-len must be in 1..{block} and --micro-batch at least 1")
+        print(_render_model_extras(ns.model, numel, world, precision, ns.micro_batch, seq_len))
+    return 0
+
+
+def _cmd_consolidate(ns: argparse.Namespace) -> int:
+    if not Path(ns.ckpt_dir).is_dir():
+        raise UsageError(f"{ns.ckpt_dir}: no such checkpoint folder")
+    try:
+        from ..checkpoint import consolidate_main
+    except ImportError:
+        print("zerodp: error: consolidation needs zerodp.checkpoint, which this installation does not have",
+              file=sys.stderr)
+        return 1
+    argv = [ns.ckpt_dir, ns.out] + ([] if ns.tag is None else ["--tag", ns.tag])
+    return int(consolidate_main(argv) or 0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the `zerodp` console script; returns the exit code."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (UsageError, ConfigError) as err:
+        # A ConfigError message may span lines (one per bad key); the contract is one line.
+        message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"zerodp: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

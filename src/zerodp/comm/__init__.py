@@ -1,0 +1,17 @@
+"""Communication: the collectives zerodp uses (`collectives.py`), with traffic recording for tests, and
+the watchdog and flight recorder over every blocking wait (`watchdog.py`).
+
+Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
+is re-exported here.
+"""
+
+from . import watchdog
+from .collectives import (REAL_COLLECTIVES_ENV, CommLog, CommRecord, GLOO_GATHER_MESSAGE_BYTES, Handle, ProcessGroup,
+                          all_gather, all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
+                          get_rank, get_world_size, init_distributed, is_initialized, new_group_like, record,
+                          reduce_scatter, skips_collectives)
+
+__all__ = ["watchdog", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "GLOO_GATHER_MESSAGE_BYTES", "Handle", "ProcessGroup",
+           "all_gather", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
+           "get_rank", "get_world_size", "init_distributed", "is_initialized", "new_group_like", "record",
+           "reduce_scatter", "skips_collectives"]

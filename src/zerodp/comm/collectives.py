@@ -1,0 +1,337 @@
+"""The collectives zerodp uses, as functions returning handles. Backend differences live here only.
+
+Every function takes the process group explicitly (`None` means the default group) and works with
+no process group at all (one process): then collectives are identities. Each call is appended to
+the active `record()` logs, so tests (and users) can count what a step moves.
+
+[Note: collectives at world size 1] With one rank, collectives are skipped (identities), unless the
+environment has ZERODP_REAL_COLLECTIVES=1 and a process group exists: then they are issued on the
+one-rank communicator like any other, so the real calls, streams and events run on one GPU (NCCL
+cannot put two ranks on one device) or on one gloo rank. tests/gpu and a CPU test set it.
+
+Backend choices:
+- gloo's reduce-scatter is a slow composite (about half the speed of its all-reduce per byte, and
+  blocking even when asked to be async), so `reduce_scatter` on gloo all-reduces the whole bucket in
+  place and keeps this rank's slice: the cheapest correct alternative there.
+- gloo refuses uneven all-gathers; every caller passes buffers padded by `partition.FlatLayout`.
+- gloo's all-gather slows down for large messages (2 ranks, one thread each: 12 MiB at 1.6 GB/s,
+  32 MiB at 0.74 GB/s), so `all_gather` sends large gloo buffers as ~12 MiB messages.
+
+Every collective is entered in the flight recorder and every blocking wait runs under the watchdog
+(`watchdog.py`): a wait longer than comm_timeout_s prints what this rank was doing and exits.
+`what` names the collective's target (e.g. a stage-3 unit) for those reports and for debug_sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import watchdog
+from ..flat.layout import chunk_ranges
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+# Largest gloo all-gather message (see the module docstring for the measurement).
+GLOO_GATHER_MESSAGE_BYTES = 12 << 20
+
+# torch 2.13 renamed the tensor-form collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+REAL_COLLECTIVES_ENV = "ZERODP_REAL_COLLECTIVES"
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def skips_collectives(group: ProcessGroup = None) -> bool:
+    """True where collectives on `group` are identities: one rank (see [Note: collectives at world size 1])."""
+    if get_world_size(group) != 1:
+        return False
+    return not (is_initialized() and os.environ.get(REAL_COLLECTIVES_ENV) == "1")
+
+
+def init_distributed(timeout_s: Optional[float] = None) -> None:
+    """Initialize torch.distributed from torchrun's environment, if it is set and not done yet.
+
+    Picks NCCL when CUDA is available, gloo otherwise. Without torchrun's variables (a plain
+    `python train.py`) nothing is initialized and zerodp runs as world size 1.
+    """
+    if is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    from datetime import timedelta
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if timeout_s is None:
+        # the backend's own timeout only backs up the watchdog, which reports first and says more
+        timeout_s = watchdog.timeout_s() + 60.0
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def get_rank(group: ProcessGroup = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: ProcessGroup = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def backend_name(group: ProcessGroup = None) -> str:
+    return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
+def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
+    """A second communicator over the ranks of `group` (same backend); only those ranks call it.
+
+    Collectives on different communicators are matched independently, so two streams of
+    collectives whose relative order may differ between ranks can each keep their own order.
+    """
+    if skips_collectives(group):
+        return group
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend=backend_name(group), use_local_synchronization=True)
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call: the logical operation, how it was carried out, and its size."""
+
+    op: str            # all_reduce | reduce_scatter | all_gather | broadcast
+    impl: str          # the torch collective actually issued
+    numel: int         # elements of the full buffer (reduce input, gather output)
+    dtype: torch.dtype
+    tag: str = ""      # who issued it ("grad", "param", "norm", ...)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass
+class CommLog:
+    """The records of every collective issued while a `record()` block is active."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def of(self, op: str, tag: Optional[str] = None) -> list[CommRecord]:
+        return [r for r in self.records if r.op == op and (tag is None or r.tag == tag)]
+
+    def numel(self, op: str, tag: Optional[str] = None) -> int:
+        return sum(r.numel for r in self.of(op, tag))
+
+
+_active_logs: list[CommLog] = []  # a debugging aid, not configuration: see record()
+
+
+@contextlib.contextmanager
+def record() -> Iterator[CommLog]:
+    """Record every collective issued inside the block (nesting allowed)."""
+    log = CommLog()
+    _active_logs.append(log)
+    try:
+        yield log
+    finally:
+        _active_logs.remove(log)
+
+
+def _log(op: str, impl: str, tensor: torch.Tensor, tag: str, group: ProcessGroup = None,
+         what: str = "") -> watchdog.Entry:
+    """Record a collective (record() logs, flight recorder); under debug_sync, check ranks agree first."""
+    for log in _active_logs:
+        log.records.append(CommRecord(op, impl, tensor.numel(), tensor.dtype, tag))
+    entry = watchdog.issue(op, tag, tensor.numel(), tensor.dtype, _group_name(group), what)
+    if watchdog.debug_sync_enabled() and not skips_collectives(group):
+        _check_same_collective(entry, group)
+    return entry
+
+
+def _group_name(group: ProcessGroup) -> str:
+    return "world" if group is None else str(getattr(group, "group_name", "?"))
+
+
+def _check_same_collective(entry: watchdog.Entry, group: ProcessGroup) -> None:
+    """debug_sync: exchange a hash of the collective about to be issued; refuse on any mismatch."""
+    world = get_world_size(group)
+    mine = torch.tensor([watchdog.signature(entry)], dtype=torch.int64, device=_device_for(group))
+    every = torch.empty(world, dtype=torch.int64, device=mine.device)
+    with watchdog.waiting(entry):
+        _all_gather_single(every, mine, group=group)
+    if bool((every == every[0]).all()):
+        return
+    descriptions = [None] * world
+    with watchdog.waiting(entry):
+        dist.all_gather_object(descriptions, entry.describe(), group=group)
+    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(descriptions))
+    raise watchdog.DivergenceError(f"debug_sync: ranks are about to issue different collectives:\n{lines}\n"
+                                   f"Every rank must run the same modules in the same order.")
+
+
+class Handle:
+    """A pending collective. `wait()` blocks until it is done and runs its completion step once."""
+
+    def __init__(self, work: Optional[dist.Work] = None, then: Optional[Callable[[], None]] = None,
+                 entry: Optional[watchdog.Entry] = None) -> None:
+        self._work, self._then, self._done, self._entry = work, then, False, entry
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            with watchdog.waiting(self._entry):
+                self._work.wait()
+        if self._then is not None:
+            self._then()
+        self._done = True
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+def _finish(work: Optional[dist.Work], then: Optional[Callable[[], None]], async_op: bool,
+            entry: watchdog.Entry) -> Handle:
+    # Collectives are always issued asynchronously and a blocking one is waited on here, so that
+    # every host-blocking wait runs under the watchdog.
+    handle = Handle(work, then, entry)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
+               op: dist.ReduceOp = dist.ReduceOp.SUM, tag: str = "", what: str = "") -> Handle:
+    """Sum (or `op`) `tensor` in place across the group."""
+    entry = _log("all_reduce", "all_reduce", tensor, tag, group, what)
+    if skips_collectives(group):
+        return Handle()
+    return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=True), None, async_op, entry)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
+                   async_op: bool = False, use_all_reduce: bool = False, tag: str = "", what: str = "") -> Handle:
+    """Sum `input` across the group and leave this rank's 1/N slice in `output`.
+
+    `input` must be padded to a multiple of the group size; its contents are undefined afterwards
+    (it may hold the full sum). `use_all_reduce` forces the all-reduce form (DeepSpeed's
+    `reduce_scatter: false`); gloo always uses it (see the module note).
+    """
+    world = get_world_size(group)
+    if input.numel() != output.numel() * world:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x "
+                         f"{output.numel()} (pad the buffer to a multiple of the group size)")
+    if skips_collectives(group):
+        _log("reduce_scatter", "none", input, tag, group, what)
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle()
+    if use_all_reduce or backend_name(group) == "gloo":
+        entry = _log("reduce_scatter", "all_reduce", input, tag, group, what)
+        lo = get_rank(group) * output.numel()
+        mine = input[lo:lo + output.numel()]
+
+        def keep_slice() -> None:
+            if output.data_ptr() != mine.data_ptr():
+                output.copy_(mine)
+
+        work = dist.all_reduce(input, group=group, async_op=True)
+        return _finish(work, keep_slice, async_op, entry)
+    entry = _log("reduce_scatter", "reduce_scatter_single", input, tag, group, what)
+    return _finish(_reduce_scatter_single(output, input, group=group, async_op=True), None, async_op, entry)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
+               async_op: bool = False, tag: str = "", max_message_numel: Optional[int] = None,
+               what: str = "") -> Handle:
+    """Concatenate every rank's `input` (equal sizes) into `output`, in rank order.
+
+    `input` may be this rank's own slice of `output` (the usual in-place form). A gather larger than
+    `max_message_numel` elements (and, on gloo, than GLOO_GATHER_MESSAGE_BYTES) is sent as several
+    messages through a small staging buffer; that path completes before returning.
+    """
+    world = get_world_size(group)
+    if output.numel() != input.numel() * world:
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {world} x {input.numel()}")
+    if skips_collectives(group):
+        _log("all_gather", "all_gather_single", output, tag, group, what)
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle()
+    limit = max_message_numel or output.numel()
+    if backend_name(group) == "gloo":
+        limit = min(limit, max(world, GLOO_GATHER_MESSAGE_BYTES // output.element_size()))
+    if output.numel() > limit:
+        _chunked_all_gather(output, input, group, max(1, limit // world), tag, what)
+        return Handle()
+    entry = _log("all_gather", "all_gather_single", output, tag, group, what)
+    if backend_name(group) != "nccl" and _overlaps(output, input):
+        # NCCL documents the in-place form; for other backends send a private copy to be safe.
+        input = input.clone()
+    return _finish(_all_gather_single(output, input, group=group, async_op=True), None, async_op, entry)
+
+
+def _chunked_all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, per_rank: int,
+                        tag: str, what: str) -> None:
+    """All-gather `per_rank` elements of every rank's input at a time, then move them into place."""
+    world, shard = get_world_size(group), input.numel()
+    staging = torch.empty(world * min(per_rank, shard), dtype=output.dtype, device=output.device)
+    rows = output.view(world, shard)
+    for lo, hi in chunk_ranges(shard, per_rank):
+        part = staging[:world * (hi - lo)]
+        entry = _log("all_gather", "all_gather_single", part, tag, group, what)
+        # input may alias a slice of output: the copy is sent before any row of output is written
+        with watchdog.waiting(entry):
+            _all_gather_single(part, input[lo:hi].clone(), group=group)
+        rows[:, lo:hi].copy_(part.view(world, hi - lo))
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *, tag: str = "") -> None:
+    """Copy rank `src`'s `tensor` to every rank (`src` is a rank of `group`)."""
+    entry = _log("broadcast", "broadcast", tensor, tag, group)
+    if skips_collectives(group):
+        return
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    with watchdog.waiting(entry):
+        dist.broadcast(tensor, src=global_src, group=group)
+
+
+def all_gather_object(obj, group: ProcessGroup = None) -> list:
+    """Every rank's picklable `obj`, in rank order (`[obj]` with no process group)."""
+    world = get_world_size(group)
+    if skips_collectives(group):
+        return [obj]
+    out = [None] * world
+    entry = watchdog.issue("all_gather_object", "object", 1, "object", _group_name(group), "")
+    with watchdog.waiting(entry):
+        dist.all_gather_object(out, obj, group=group)  # note: a sync point
+    return out
+
+
+def all_reduce_max_flag(flag: bool, group: ProcessGroup = None, *, tag: str = "") -> bool:
+    """True on every rank if `flag` is true on any rank (e.g. an fp16 overflow somewhere)."""
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=_device_for(group))
+    all_reduce(t, group, op=dist.ReduceOp.MAX, tag=tag)
+    return bool(t.item() > 0)
+
+
+def _device_for(group: ProcessGroup) -> torch.device:
+    if backend_name(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
+    b0, b1 = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1

@@ -1,0 +1,400 @@
+"""The main job: `zerodp train` trains the bundled GPT on the embedded corpus across local ranks.
+
+Two halves. The launcher half (`resolve_train_args`, `launch`) runs once, in the user's process:
+it turns options, a config file and (on resume) the saved `run.json` into one validated `TrainArgs`,
+so user mistakes fail there as one line, and then starts the ranks with torchrun's own launcher API
+(`elastic_launch` with a `LaunchConfig`, standalone c10d rendezvous on localhost). When torchrun's
+variables are already set (`torchrun --nproc_per_node 2 -m zerodp train ...`) it does not launch
+again: this process is a rank, and runs the worker itself.
+
+The worker half (`run_worker`) is the training loop every rank runs: GPT + AdamW through
+`zerodp.initialize`, rank r of N reading its slice of each step's global batch
+(`ByteCorpus.batch(step, r, N, ...)`, so a resumed run sees the same batches as an uninterrupted one),
+then validation, a text sample, a checkpoint and the summary. Everything collective (the loss
+average, validation, generation under stage 3, checkpointing) runs on every rank in the same order;
+only printing and the metrics files are rank 0's.
+
+Precedence of settings: explicit option > --config file > the saved run.json of --resume > default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+
+from .. import comm
+from ..config import load_config
+from ..errors import UsageError
+from ..memory import format_bytes
+from .corpus import ByteCorpus
+from .gpt import GPT, MODEL_PRESETS, lm_loss
+from .report import MetricsLog, format_log_line, plot_loss, read_metrics, render_summary
+
+DEFAULT_STAGE = 3
+# About 4-5 minutes for the small model on 2 CPU cores (see docs/cli.md for the measurement).
+DEFAULT_STEPS = 600
+DEFAULT_MICRO_BATCH = 8
+DEFAULT_LR = 2e-3
+WARMUP_FRACTION = 0.05   # linear warm-up over the first 5% of steps, then cosine decay to 10% of lr
+VAL_BATCHES = 8          # micro-batches per rank for the validation loss
+SAMPLE_PROMPT = "    def __init__(self, "
+SAMPLE_NEW_BYTES = 200
+SAMPLE_TOP_K = 10
+SAMPLE_TEMPERATURE = 0.8
+
+
+@dataclass
+class TrainArgs:
+    """Everything a rank needs, resolved and validated before any rank starts (picklable)."""
+
+    nproc: int
+    steps: int
+    model: str
+    seq_len: int
+    lr: float
+    seed: int
+    log_every: int
+    out: str
+    precision: str
+    config: dict            # the zerodp config, as given keys (validated)
+    resume: Optional[str] = None   # the folder passed to engine.load_checkpoint
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher half.
+
+def under_torchrun() -> bool:
+    """True when this process is already a rank started by torchrun (or another env:// launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _precision_of(config: dict) -> str:
+    if config.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if config.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def _saved_run(resume: Path) -> dict:
+    for candidate in (resume / "run.json", resume.parent / "run.json"):
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    return {}
+
+
+def resolve_train_args(opts: dict) -> TrainArgs:
+    """Validated TrainArgs from the options the user gave (`opts`: name -> value, given ones only)."""
+    saved: dict = {}
+    resume_dir = None
+    if opts.get("resume") is not None:
+        resume = Path(opts["resume"])
+        if not resume.is_dir():
+            raise UsageError(f"--resume {resume}: no such directory (pass a run's --out folder or its checkpoints/)")
+        resume_dir = resume / "checkpoints" if (resume / "checkpoints").is_dir() else resume
+        saved = _saved_run(resume)
+    saved_args = saved.get("args", {})
+
+    def pick(name, default):
+        return opts[name] if opts.get(name) is not None else saved_args.get(name, default)
+
+    # The config: the built-in defaults overlaid with the --config file's keys (or, without a file, the
+    # resumed run's config), then the options.
+    config = {"zero_optimization": {"stage": DEFAULT_STAGE}, "gradient_clipping": 1.0}
+    if opts.get("config") is not None:
+        config = _deep_merge(config, load_config(opts["config"]).model_dump(exclude_unset=True))
+    elif "config" in saved_args:
+        config = saved_args["config"]
+    if opts.get("stage") is not None:
+        config = _deep_merge(config, {"zero_optimization": {"stage": opts["stage"]}})
+    if opts.get("micro_batch") is not None:
+        config["train_micro_batch_size_per_gpu"] = opts["micro_batch"]
+    elif "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
+        config["train_micro_batch_size_per_gpu"] = DEFAULT_MICRO_BATCH
+    if opts.get("precision") is not None:
+        p = opts["precision"]
+        config = _deep_merge(config, {"bf16": {"enabled": p == "bf16"}, "fp16": {"enabled": p == "fp16"}})
+    if opts.get("lr") is not None and "optimizer" in config:
+        config = _deep_merge(config, {"optimizer": {"params": {"lr": opts["lr"]}}})
+    validated = load_config(config)  # raises ConfigError
+
+    nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else pick("nproc", 2)
+    if nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    validated.resolve_batch(nproc)  # raises ConfigError when the batch keys disagree with the world size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and not under_torchrun() and nproc > gpus:
+        raise UsageError(f"--nproc {nproc} is more than the {gpus} GPU(s); with CUDA each rank needs its own GPU")
+    if validated.optimizer is not None:
+        from ..optim.build import OptimizerError, resolve_optimizer
+
+        try:
+            resolve_optimizer(None, validated.optimizer, [torch.nn.Parameter(torch.zeros(1))])
+        except OptimizerError as err:
+            raise UsageError(str(err)) from None
+
+    model = pick("model", "small")
+    if model not in MODEL_PRESETS:
+        raise UsageError(f"unknown model '{model}'; choose one of {', '.join(MODEL_PRESETS)}")
+    block = MODEL_PRESETS[model].block_size
+    seq_len = pick("seq_len", block)
+    if not 1 <= seq_len <= block:
+        raise UsageError(f"--seq-len {seq_len} is outside 1..{block}, the {model} model's block_size")
+    steps, log_every, lr = pick("steps", DEFAULT_STEPS), pick("log_every", 25), pick("lr", DEFAULT_LR)
+    if steps < 1 or log_every < 1 or not lr > 0:
+        raise UsageError("--steps and --log-every must be at least 1 and --lr positive")
+
+    if opts.get("out") is not None:
+        out = opts["out"]
+    elif saved:  # resuming a run folder: continue writing into it
+        out = str(Path(opts["resume"]) if (Path(opts["resume"]) / "run.json").is_file()
+                  else Path(opts["resume"]).parent)
+    else:  # under torchrun every rank must agree on the folder: use the shared run id
+        out = f"runs/train-{os.environ.get('TORCHELASTIC_RUN_ID') or time.strftime('%Y%m%d-%H%M%S')}"
+    return TrainArgs(nproc=nproc, steps=steps, model=model, seq_len=seq_len, lr=lr, seed=pick("seed", 0),
+                     log_every=log_every, out=out, precision=_precision_of(validated.model_dump()),
+                     config=validated.model_dump(exclude_unset=True),
+                     resume=None if resume_dir is None else str(resume_dir))
+
+
+def launch(args: TrainArgs) -> dict:
+    """Run the job: as this rank under torchrun, else start `args.nproc` local ranks and wait.
+
+    Returns rank 0's result (the summary figures). Worker failures raise torch's ChildFailedError.
+    """
+    if under_torchrun():
+        return run_worker(args)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    cpus = os.cpu_count() or 1
+    if args.nproc > cpus:
+        print(f"zerodp: warning: --nproc {args.nproc} is more than the {cpus} CPU core(s); ranks will share "
+              f"cores and every step will be slower", file=sys.stderr)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the ranks; torch reads it at import
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+                          run_id=f"zerodp-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+    results = elastic_launch(config, run_worker)(args)
+    return results.get(0, {})
+
+
+# -- The worker half: one rank. ----------------------------------------------------------------
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def lr_at(step: int, steps: int, base_lr: float) -> float:
+    """Linear warm-up, then cosine decay from base_lr to base_lr / 10 at the last step."""
+    warmup = max(1, int(WARMUP_FRACTION * steps))
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return base_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _build_optimizer(model: GPT, args: TrainArgs):
+    """AdamW with weight decay on matrices only (nanoGPT's split), unless the config names an optimizer."""
+    if "optimizer" in args.config:
+        return None  # zerodp.initialize builds it from the config's section
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _device() -> torch.device:
+    """This rank's GPU when CUDA is available (NCCL needs CUDA tensors), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _mean_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
+    comm.all_reduce(t, tag="metrics")  # note: a sync point (tiny); every rank reports the same loss
+    return float(t) / comm.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(engine, corpus: ByteCorpus, args: TrainArgs) -> float:
+    """Mean loss over VAL_BATCHES validation micro-batches per rank, averaged over ranks."""
+    engine.eval()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    total = 0.0
+    for i in range(VAL_BATCHES):
+        x, y = corpus.batch(i, rank, world, engine.micro_batch_size, args.seq_len, split="val", seed=args.seed)
+        x, y = x.to(_device()), y.to(_device())
+        total += float(lm_loss(engine(x), y))
+    engine.train()
+    return _mean_over_ranks(total / VAL_BATCHES)
+
+
+@torch.no_grad()
+def sample_text(engine, args: TrainArgs) -> str:
+    """Top-k sample from the trained model. Runs on every rank: under stage 3 each forward gathers
+    parameters collectively, so all ranks must take the same number of forwards (same seed, same text)."""
+    engine.eval()
+    prompt = ByteCorpus.encode(SAMPLE_PROMPT).long()[None].to(_device())
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = engine.module.generate(prompt, SAMPLE_NEW_BYTES, temperature=SAMPLE_TEMPERATURE,
+                                    top_k=SAMPLE_TOP_K, generator=generator)
+    engine.train()
+    return ByteCorpus.decode(tokens[0])
+
+
+def _save_checkpoint(engine, args: TrainArgs, step: int) -> tuple[Optional[str], str]:
+    path = engine.save_checkpoint(Path(args.out) / "checkpoints", client_state={"step": step, "args": asdict(args)})
+    return str(path), ""
+
+
+def _banner(engine, args: TrainArgs, world: int, numel: int, base_lr: float) -> str:
+    tokens = world * engine.micro_batch_size * engine.gradient_accumulation_steps * args.seq_len
+    return (f"zerodp train: stage {engine.stage}, {world} rank(s) x {torch.get_num_threads()} thread(s), "
+            f"model {args.model} ({numel:,} parameters), {args.precision}, micro-batch {engine.micro_batch_size}"
+            f" x seq {args.seq_len} x accumulation {engine.gradient_accumulation_steps} x {world} rank(s) = "
+            f"{tokens:,} tokens/step, {args.steps} steps, peak lr {base_lr:g}, out {args.out}")
+
+
+def run_worker(args: TrainArgs) -> dict:
+    """Train on this rank (the entry point each launched rank runs); returns rank 0's summary figures."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run_worker)(args)  # record: a rank's traceback reaches the launcher's error report
+
+
+def _run_worker(args: TrainArgs) -> dict:
+    import zerodp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    wall_start = time.perf_counter()
+    comm.init_distributed()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    out = Path(args.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run.json").write_text(json.dumps({"args": asdict(args)}, indent=2) + "\n")
+
+    torch.manual_seed(args.seed)
+    model = GPT(MODEL_PRESETS[args.model], seed=args.seed).to(_device())
+    numel = model.num_parameters()
+    engine = zerodp.initialize(model, _build_optimizer(model, args), args.config)
+    base_lr = engine.optimizer.param_groups[0]["lr"]  # read before a checkpoint restores a scheduled lr
+    corpus = ByteCorpus.from_stdlib()
+    start_step = 0
+    if args.resume:
+        client = engine.load_checkpoint(args.resume) or {}
+        start_step = int(client.get("step", engine.global_step))
+    if rank == 0:
+        print(_banner(engine, args, world, numel, base_lr)
+              + (f", resumed at step {start_step}" if args.resume else ""), flush=True)
+    if start_step >= args.steps:
+        if rank == 0:
+            print(f"zerodp train: the checkpoint is at step {start_step} >= --steps {args.steps}; nothing to do "
+                  f"(pass a larger --steps to train further)")
+        return {"step": start_step}
+    history = train_steps(engine, corpus, args, start_step, base_lr)
+    return _finish(engine, corpus, args, history, numel, wall_start)
+
+
+def train_steps(engine, corpus: ByteCorpus, args: TrainArgs, start_step: int, base_lr: float) -> list[dict]:
+    """Optimizer steps start_step..args.steps-1; rank 0 logs them. Returns this launch's metric rows."""
+    from tqdm import tqdm
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    metrics = MetricsLog(Path(args.out)) if rank == 0 else None
+    tokens_per_step = world * engine.micro_batch_size * engine.gradient_accumulation_steps * args.seq_len
+    # The bar is for a terminal; in a pipe or a log file the log lines carry the same figures.
+    bar = tqdm(total=args.steps, initial=start_step, disable=rank != 0 or not sys.stderr.isatty(), unit="step",
+               dynamic_ncols=True, mininterval=0.5, desc="train")
+    proc = psutil.Process()
+    history: list[dict] = []
+    for step in range(start_step, args.steps):
+        lr = lr_at(step, args.steps, base_lr)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for micro in range(engine.gradient_accumulation_steps):
+            x, y = corpus.batch(step, rank, world, engine.micro_batch_size, args.seq_len, micro_step=micro,
+                                seed=args.seed)
+            loss = lm_loss(engine(x.to(_device())), y.to(_device()))
+            engine.backward(loss)
+            engine.step()
+            loss_sum += float(loss.detach())
+        loss_mean = _mean_over_ranks(loss_sum / engine.gradient_accumulation_steps)
+        step_time = time.perf_counter() - t0
+        row = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": engine.grad_norm,
+               "loss_scale": engine.loss_scale, "tokens_per_s": tokens_per_step / step_time,
+               "step_time_s": step_time, "rss_bytes": proc.memory_info().rss}
+        history.append(row)
+        if rank == 0:
+            metrics.write(row)
+            bar.set_postfix_str(f"loss {loss_mean:.3f}, {row['tokens_per_s']:,.0f} tok/s, "
+                                f"rss {format_bytes(row['rss_bytes'])}", refresh=False)
+            bar.update(1)
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                tqdm.write(format_log_line(row, args.steps))
+    bar.close()
+    if metrics is not None:
+        metrics.close()
+    return history
+
+
+def _finish(engine, corpus: ByteCorpus, args: TrainArgs, history: list[dict], numel: int,
+            wall_start: float) -> dict:
+    """Memory report, checkpoint, validation, sample (every rank, in this order), then rank 0's summary."""
+    rank, world, out = comm.get_rank(), comm.get_world_size(), Path(args.out)
+    report = engine.memory_report().as_dict()
+    # Stage-3 units small enough to stay whole on every rank (the formula assumes everything sharded).
+    report["persistent_param_bytes"] = sum(u.param_bytes() for u in engine.units if getattr(u, "persistent", False))
+    checkpoint, checkpoint_note = _save_checkpoint(engine, args, args.steps)
+    val_loss = evaluate(engine, corpus, args)
+    sample = sample_text(engine, args)
+    report["peak_rss_bytes"] = _peak_rss_bytes()
+    report["peak_cuda_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    ranks = comm.all_gather_object(report)
+    if rank != 0:
+        return {}
+    all_rows = read_metrics(out)  # the whole run, steps before a resume included
+    plot, plot_note = plot_loss(out, all_rows, val_loss, f"zerodp stage {engine.stage}, {world} ranks, "
+                                f"GPT {args.model}")
+    timed = history[1:] or history  # the first step of a launch includes one-off warm-up
+    window = min(10, len(history))
+    run = {"stage": engine.stage, "world_size": world, "model": args.model, "numel": numel,
+           "precision": args.precision, "first_step": history[0]["step"], "last_step": args.steps,
+           "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
+           "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
+           "initial_loss": all_rows[0]["loss"] if all_rows else history[0]["loss"],
+           "final_loss": sum(r["loss"] for r in history[-window:]) / window, "final_loss_window": window,
+           "val_loss": val_loss, "checkpoint": checkpoint, "checkpoint_note": checkpoint_note,
+           "plot": None if plot is None else str(plot), "plot_note": plot_note, "out": str(out),
+           "wall_time_s": time.perf_counter() - wall_start}
+    print("\n" + render_summary(run, ranks))
+    print(f"\nsample (top-{SAMPLE_TOP_K}, temperature {SAMPLE_TEMPERATURE}, {SAMPLE_NEW_BYTES} bytes after the "
+          f"prompt):\n{'-' * 60}\n{sample}\n{'-' * 60}", flush=True)
+    (out / "sample.txt").write_text(sample + "\n")
+    summary = {"run": run, "ranks": ranks, "sample": sample}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+

@@ -1,0 +1,5 @@
+"""Flat layouts and buffers: many parameters as one padded tensor, split into equal per-rank shards.
+
+    layout.py   FlatLayout: offsets, padding and each rank's segments; pure arithmetic, no torch.distributed
+    buffer.py   FlatBuffer: one contiguous tensor with per-parameter views; freeing and re-allocating storage
+"""

@@ -1,0 +1,83 @@
+"""One contiguous tensor laid out by a `FlatLayout`, with a view per parameter and a view per shard.
+
+Parameters and gradients live in flat buffers so that a whole bucket is one collective, and so that
+a rank's shard is a plain slice (no gather/scatter copies). Storage can be released and re-allocated
+in place: see [Note: freeing storage].
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from .layout import FlatLayout
+
+# [Note: freeing storage]
+# `tensor = None` or `param.data = empty` only drops one reference: autograd may still hold the
+# storage (saved tensors, views handed out earlier) and the bytes stay allocated. Resizing the
+# untyped storage to 0 releases the bytes immediately while every view keeps its metadata, and
+# resizing it back re-attaches fresh memory under the same views. A view read while its storage is
+# freed raises an error rather than returning stale values.
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release the bytes behind `tensor` (and all its views), keeping the tensor object usable later."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor: torch.Tensor, numel: int) -> None:
+    """Re-attach memory of `numel` elements behind a tensor whose storage was freed (contents undefined)."""
+    storage = tensor.untyped_storage()
+    nbytes = numel * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def is_storage_freed(tensor: torch.Tensor) -> bool:
+    """True when the tensor's storage has been released by `free_storage`."""
+    return tensor.untyped_storage().size() == 0
+
+
+class FlatBuffer:
+    """A padded 1-D tensor for the parameters of a `FlatLayout`, sharded into `layout.num_shards` slices."""
+
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device,
+                 data: Optional[torch.Tensor] = None) -> None:
+        self.layout = layout
+        if data is None:
+            data = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        if data.numel() != layout.padded_numel or data.dim() != 1:
+            raise ValueError(f"flat buffer needs a 1-D tensor of {layout.padded_numel} elements, "
+                             f"got shape {tuple(data.shape)}")
+        self.tensor = data
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes currently allocated (0 when the storage is freed)."""
+        return self.tensor.untyped_storage().size()
+
+    def view(self, index: int) -> torch.Tensor:
+        """The parameter `index`'s elements, shaped like the parameter."""
+        off, n = self.layout.offsets[index], self.layout.numels[index]
+        return self.tensor[off:off + n].view(self.layout.shapes[index])
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.view(i) for i in range(len(self.layout.shapes))]
+
+    def shard(self, shard: int) -> torch.Tensor:
+        """The slice owned by `shard` (a view: writes go to the buffer)."""
+        lo, hi = self.layout.shard_range(shard)
+        return self.tensor[lo:hi]
+
+    def copy_from(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Fill the buffer from tensors in layout order; padding is zeroed."""
+        for i, t in enumerate(tensors):
+            self.view(i).copy_(t.detach())
+        self.tensor[self.layout.numel:].zero_()

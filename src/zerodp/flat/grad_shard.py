@@ -1,0 +1,184 @@
+"""The gradient life cycle of one flat buffer of parameters, the same at every stage: `GradShard`.
+
+A stage 0-2 gradient bucket and a stage-3 flat unit both hold one `GradShard`. As backward produces
+each parameter's gradient (a post-accumulate-grad hook), `add_grad` moves it into the flat full
+buffer and drops the parameter's own `.grad`. A reduction (`launch`, then `wait`) sums the full
+buffer over ranks, divides by the number of ranks and leaves this rank's slice in `shard`:
+
+    IDLE --add_grad--> FILLING --launch--> REDUCING --wait--> REDUCED
+      \\_______________launch______________/                     |
+    REDUCED --add_grad/launch--> (a new round: FILLING/REDUCING)  |  zero_grad: any state -> IDLE
+
+Every transition is checked against `_ALLOWED`; an illegal sequence fails with the two states named
+instead of hanging in a collective. A second round in one micro-step happens when a gradient
+arrives after its shard's reduction (a weight used in two re-entrant checkpointed regions) or when
+another rank had such a gradient (see `reduce_queue.ReduceQueue.finish`).
+
+Policy, not copies (`keep_full`):
+- keep_full=True (stages 0 and 1): the full buffer persists and accumulates over micro-steps; the
+  reduction runs in place and `shard` is a view of this rank's slice of it.
+- keep_full=False (stages 2 and 3): the full buffer exists only from a round's first gradient until
+  its reduction is waited on; the reduced slice is added into `shard`, a separate persistent tensor.
+How the sum is computed (all-reduce, reduce-scatter, which communicator and stream) is the
+`reduce` callable passed at construction.
+
+[Note: reduced shard destination] `_deliver` is the one place where a reduced slice lands in this
+rank's gradient shard. An offload backend (gradients kept on the CPU or on disk) redirects that one
+method, and every stage follows.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Callable, Optional
+
+import torch
+
+from .. import comm
+from .buffer import FlatBuffer, alloc_storage, free_storage
+from .layout import FlatLayout
+
+# (output slice, full buffer, async_op) -> handle; sums `full` over ranks, this rank's slice in output
+ReduceFn = Callable[[torch.Tensor, torch.Tensor, bool], comm.Handle]
+
+
+class GradState(Enum):
+    IDLE = auto()       # no gradient this round
+    FILLING = auto()    # some parameters reported
+    REDUCING = auto()   # reduction launched, not yet waited on
+    REDUCED = auto()    # this round's reduction is in `shard`
+
+
+_ALLOWED = {
+    GradState.IDLE: {GradState.IDLE, GradState.FILLING, GradState.REDUCING},
+    GradState.FILLING: {GradState.FILLING, GradState.REDUCING, GradState.IDLE},
+    GradState.REDUCING: {GradState.REDUCED},
+    GradState.REDUCED: {GradState.IDLE, GradState.FILLING, GradState.REDUCING},
+}
+
+
+class GradShard:
+    """The gradients of `params` (laid out by `layout`), and this rank's reduced slice of them."""
+
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, shard_index: int, world: int,
+                 reduce: ReduceFn, *, keep_full: bool, name: str = "") -> None:
+        first = params[0]
+        self.params = params
+        self.layout = layout
+        self.shard_index = shard_index
+        self.world = world            # the sum over ranks is divided by this
+        self.keep_full = keep_full
+        self.name = name              # for error messages
+        self._reduce = reduce
+        self.full = FlatBuffer(layout, first.dtype, first.device)
+        if keep_full:
+            self.shard = self.full.shard(shard_index)
+        else:
+            free_storage(self.full.tensor)  # allocated per round, see _ensure_full
+            self.shard = torch.zeros(layout.shard_numel, dtype=first.dtype, device=first.device)
+        self.state = GradState.IDLE
+        self.reported: set[int] = set()                               # parameters heard from this round
+        self.received = torch.zeros(len(params), dtype=torch.bool)   # ... since the last optimizer step
+        self.rounds_launched = 0                                      # reductions launched this micro-step
+        self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
+        self._handle: Optional[comm.Handle] = None
+
+    def _to(self, state: GradState) -> None:
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"zerodp: gradient shard {self.name or '?'} cannot go from {self.state.name} to "
+                               f"{state.name} (an engine call out of order?)")
+        self.state = state
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter reported a gradient in this round."""
+        return len(self.reported) == len(self.params)
+
+    @property
+    def nbytes(self) -> int:
+        """Gradient bytes held now: the full buffer while allocated, plus a separate shard."""
+        shard = 0 if self.keep_full else self.shard.numel() * self.shard.element_size()
+        return self.full.nbytes + shard
+
+    def _ensure_full(self) -> None:
+        if not self.keep_full and self.full.nbytes == 0:
+            alloc_storage(self.full.tensor, self.layout.padded_numel)
+            self.full.tensor.zero_()
+
+    def _open_round(self) -> None:
+        """After a reduction, start another round of this micro-step without reducing anything twice."""
+        self.wait()
+        if self.keep_full:
+            # The persistent buffer holds the reduced sums: keep our slice aside, restart from zeros.
+            self._stash = self.shard.clone()
+            self.full.tensor.zero_()
+        self.reported.clear()
+
+    def add_grad(self, index: int) -> None:
+        """Move parameter `index`'s fresh `.grad` into the full buffer (called from its hook)."""
+        p = self.params[index]
+        if p.grad is None:
+            return
+        if self.state in (GradState.REDUCING, GradState.REDUCED):
+            self._open_round()  # a late gradient: finish the round in flight, then open another one
+        self._ensure_full()
+        self.full.view(index).add_(p.grad)
+        p.grad = None  # the shard holds it now; dropping .grad is what frees the per-parameter copy
+        self.reported.add(index)
+        self.received[index] = True
+        self._to(GradState.FILLING)
+
+    def launch(self, async_op: bool = True) -> None:
+        """Start this round's reduction (every rank must call it, in the same order)."""
+        if self.state is GradState.REDUCED:
+            self._open_round()  # another rank needs a further round; ours adds nothing new
+        self._ensure_full()  # a rank without gradients takes part with zeros
+        self._handle = self._reduce(self.full.shard(self.shard_index), self.full.tensor, async_op)
+        self.rounds_launched += 1
+        self._to(GradState.REDUCING)
+
+    def wait(self) -> None:
+        """Finish the reduction in flight, if any: average over ranks into `shard`."""
+        if self.state is not GradState.REDUCING:
+            return
+        self._handle.wait()
+        self._handle = None
+        reduced = self.full.shard(self.shard_index)
+        # Sum across ranks, then divide: exact for two ranks in fp32, and what a single process
+        # computes on the global batch up to summation order.
+        reduced.div_(self.world)
+        self._deliver(reduced)
+        self._to(GradState.REDUCED)
+
+    def _deliver(self, reduced: torch.Tensor) -> None:
+        """Put a reduced slice into this rank's shard; see [Note: reduced shard destination]."""
+        if not self.keep_full:
+            self.shard.add_(reduced)
+            free_storage(self.full.tensor)
+        elif self._stash is not None:
+            reduced.add_(self._stash)  # reduced is `shard` itself
+            self._stash = None
+
+    def start_micro_step(self) -> None:
+        """Before a backward: forget who reported (gradients keep accumulating)."""
+        if self.state is GradState.REDUCING:
+            raise RuntimeError(f"zerodp: gradient shard {self.name or '?'} still reducing at the start of a "
+                               f"backward (the previous backward did not finish)")
+        self.reported.clear()
+        self.rounds_launched = 0
+        if self.state is not GradState.FILLING:
+            self._to(GradState.IDLE)
+
+    def zero_grad(self) -> None:
+        """Forget gradients after an optimizer step (or a skipped one)."""
+        self.wait()
+        if self.keep_full:
+            self.full.tensor.zero_()
+        else:
+            self.shard.zero_()
+            free_storage(self.full.tensor)
+        self.received.zero_()
+        self.reported.clear()
+        self.rounds_launched = 0
+        self._stash = None
+        self.state = GradState.IDLE  # from any state: nothing is in flight after wait()

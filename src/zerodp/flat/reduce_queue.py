@@ -1,0 +1,100 @@
+"""The order in which gradient shards are reduced, and the one control collective that ends a backward.
+
+Both sharding strategies (stage 0-2 buckets, stage-3 flat units) reduce through a `ReduceQueue`:
+
+    start(order)        before backward: the order every rank issues reductions in this micro-step
+    launch_ready()      from a gradient hook: launch, in order, every shard that is complete
+    finish(boundary)    after backward: agree with every rank on the rounds each shard needs, run
+                        them round by round in order, wait for everything
+
+[Note: collective order] Reductions are launched strictly in queue order (shard i only after
+0..i-1), as DDP does. Readiness may differ between ranks (a rank whose batch leaves a parameter
+unused completes that shard later); the order of collectives then still matches on every rank,
+which gloo and NCCL require (a mismatch hangs or silently mixes tensors).
+
+The control collective (one small MAX all-reduce, note: a sync point) carries, per shard, how many
+reduction rounds it needs this micro-step (rounds already launched, plus one if gradients arrived
+after the last launch), and at an accumulation boundary one flag per parameter: whether it got a
+gradient on any rank since the last optimizer step (the optimizer leaves the others untouched).
+
+Policy (`reduce_all`): stages 0-2 reduce every bucket at every reducing micro-step, gradient or not,
+as DDP does, so their remaining buckets are launched before the control collective; stage 3 skips
+a unit that no rank touched, so it agrees first and launches after.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .grad_shard import GradShard, GradState
+
+
+class ReduceQueue:
+    """Launches the reductions of `GradShard`s in one order on every rank (module docstring)."""
+
+    def __init__(self, process_group: comm.ProcessGroup, device: torch.device, *, async_op: bool,
+                 max_inflight: Optional[int], reduce_all: bool) -> None:
+        self.process_group = process_group
+        self.device = device              # the control collective's device (NCCL: CUDA)
+        self.async_op = async_op
+        self.max_inflight = max_inflight  # None: unbounded; 0: wait for each at once
+        self.reduce_all = reduce_all
+        self.order: list[GradShard] = []
+        self._next = 0
+        self._inflight: collections.deque[GradShard] = collections.deque()
+
+    def start(self, order: list[GradShard]) -> None:
+        """Fix this micro-step's reduction order (the same on every rank) before backward."""
+        self.order = order
+        self._next = 0
+        self._inflight.clear()
+        for g in order:
+            g.start_micro_step()
+
+    def _launch(self, g: GradShard) -> None:
+        g.launch(self.async_op)
+        self._inflight.append(g)
+        while self.max_inflight is not None and len(self._inflight) > self.max_inflight:
+            self._inflight.popleft().wait()
+
+    def launch_ready(self) -> None:
+        """Launch, in order, every shard whose gradients are all in (stops at the first that is not)."""
+        while self._next < len(self.order):
+            g = self.order[self._next]
+            if not (g.complete and g.state is GradState.FILLING and g.rounds_launched == 0):
+                return
+            self._launch(g)
+            self._next += 1
+
+    def finish(self, boundary: bool, units: list[GradShard]) -> Optional[torch.Tensor]:
+        """After backward: run every remaining round on every rank and wait for all of them.
+
+        At an accumulation boundary, returns per-parameter flags (`units` concatenated, in their
+        order) saying whether the parameter got a gradient on any rank since the last step.
+        """
+        order = self.order
+        if self.reduce_all:
+            for g in order[self._next:]:
+                self._launch(g)
+            self._next = len(order)
+        need = [g.rounds_launched + (1 if g.state is GradState.FILLING else 0) for g in order]
+        parts = [torch.tensor(need, dtype=torch.float32)]
+        if boundary:
+            parts += [g.received.float() for g in units]
+        flags = torch.cat(parts).to(self.device)
+        comm.all_reduce(flags, self.process_group, op=dist.ReduceOp.MAX, tag="control")
+        target = [int(t) for t in flags[:len(order)].tolist()]
+        for round_ in range(1, max(target, default=0) + 1):  # round-major: the same sequence on every rank
+            for g, rounds in zip(order, target):
+                if g.rounds_launched < round_ <= rounds:
+                    g.wait()
+                    self._launch(g)
+        for g in order:
+            g.wait()
+        self._inflight.clear()
+        return (flags[len(order):] > 0).cpu() if boundary else None

@@ -1,0 +1,76 @@
+"""Measuring the model-state bytes a rank holds, next to the ZeRO paper's prediction for them.
+
+Measured: the storage actually allocated for parameters (flat buffers or shards), gradients
+(persistent buffers or shards) and optimizer state (separate fp32 masters plus moment tensors).
+Predicted: `memory.predict_model_state_bytes` with Ψ = trainable elements, the precision's byte
+sizes, and K = master bytes (4 with mixed precision, 0 when the master aliases fp32 parameters) plus
+4 bytes per optimizer state element. Padding to a multiple of the world size is the only expected
+difference. Frozen parameters are reported apart: they are not in the paper's Ψ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from ..optim.build import state_numel_per_param
+from .model import ModelStateBytes, predict_model_state_bytes
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """One rank's model-state memory."""
+
+    rank: int
+    world_size: int
+    stage: int
+    numel: int                  # Ψ: trainable parameter elements (tied parameters once)
+    padding_numel: int          # elements added to make shards even
+    measured: ModelStateBytes
+    predicted: ModelStateBytes
+    frozen_param_bytes: int
+    rss_bytes: int
+    disk_bytes: int = 0            # offloaded optimizer state in files (nvme)
+    disk_bytes_predicted: int = 0
+
+    def as_dict(self) -> dict:
+        out = {"rank": self.rank, "world_size": self.world_size, "stage": self.stage, "numel": self.numel,
+               "padding_numel": self.padding_numel, "frozen_param_bytes": self.frozen_param_bytes,
+               "rss_bytes": self.rss_bytes, "disk_bytes": self.disk_bytes,
+               "disk_bytes_predicted": self.disk_bytes_predicted}
+        for kind in ("params", "grads", "optimizer"):
+            out[f"{kind}_bytes"] = getattr(self.measured, kind)
+            out[f"{kind}_bytes_predicted"] = getattr(self.predicted, kind)
+        return out
+
+
+def measure_memory(engine) -> MemoryReport:
+    """Build the `MemoryReport` of `engine` on this rank."""
+    units = engine.units
+    numel = sum(u.layout.numel for u in units)
+    padding = sum(u.layout.padded_numel - u.layout.numel for u in units)
+    params = sum(u.param_bytes() for u in units)
+    grads = sum(u.grad_bytes() for u in units)
+    optimizer = engine.optimizer.state_bytes()
+    # Frozen parameters: stage 3 shards them into frozen units; other stages keep them whole.
+    frozen_units = engine.sharding.frozen_units
+    in_units = {id(p) for u in list(units) + list(frozen_units) for p in u.params}
+    frozen = sum(u.param_bytes() for u in frozen_units) + sum(
+        p.numel() * p.element_size() for p in engine.module.parameters() if id(p) not in in_units)
+    precision = engine.precision
+    elem = precision.param_dtype.itemsize
+    master = precision.master_dtype.itemsize if precision.mixed else 0
+    k = master + 4 * state_numel_per_param(engine.optimizer.optimizer)
+    predicted = predict_model_state_bytes(numel, engine.world_size, engine.stage, param_bytes=elem,
+                                          grad_bytes=elem, optimizer_bytes=k)
+    disk = disk_predicted = 0
+    if engine.optimizer.offload is not None:  # offload: the elementwise state's host part, and disk bytes
+        from ..offload.estimate import offload_report_bytes
+
+        optimizer_predicted, disk_predicted = offload_report_bytes(engine, numel, master, k - master)
+        predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
+        disk = engine.optimizer.offload.disk_bytes()
+    return MemoryReport(engine.rank, engine.world_size, engine.stage, numel, padding,
+                        ModelStateBytes(params, grads, optimizer), predicted, frozen,
+                        psutil.Process().memory_info().rss, disk, int(disk_predicted))

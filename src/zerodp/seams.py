@@ -1,0 +1,105 @@
+"""The seams between zerodp's parts, written down as `typing.Protocol`s that the code obeys.
+
+    engine ──drives──> ShardingStrategy (stage12.strategy.GradReducer, stage3.strategy.Stage3Sharding)
+       │                   └── units: ShardedUnit (stage12.buckets.GradBucket, stage3.flat_unit.FlatUnit)
+       └──steps──> optim.optimizer.ShardedOptimizer (over the strategy's units)
+    checkpoint ──reads──> CheckpointEngine: the engine's public members, its strategy's units and
+                          its optimizer's CheckpointOptimizer members, nothing private
+
+Calls run one way: the engine calls the strategy and the optimizer; neither calls the other or
+back into the engine. One optimizer step, as the engine runs it:
+    strategy.start_micro_step(reduce) ; loss.backward() ; received = strategy.finish_micro_step(boundary)
+    at a boundary: optimizer.step(received) ; strategy.after_step() (if it stepped) ; unit.zero_grad()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from .flat.layout import FlatLayout
+
+
+class ShardedUnit(Protocol):
+    """One flat buffer of parameters and this rank's shard of it: what the optimizer steps and
+    checkpoints save (a stage 0-2 bucket or a stage-3 flat unit)."""
+
+    params: list[nn.Parameter]  # in layout order
+    group_index: int            # the user's optimizer group (-1: frozen)
+    layout: FlatLayout
+    shard_index: int            # which of layout.num_shards slices this rank holds
+
+    @property
+    def param_shard(self) -> torch.Tensor: ...  # this rank's parameter slice (the model computes on it)
+
+    @property
+    def grad_shard(self) -> torch.Tensor: ...   # this rank's reduced, rank-averaged gradient slice
+
+    def zero_grad(self) -> None: ...
+
+    def param_bytes(self) -> int: ...
+
+    def grad_bytes(self) -> int: ...
+
+
+class ShardingStrategy(Protocol):
+    """What the engine drives, at every stage (stages differ by policy inside the strategy)."""
+
+    units: Sequence[ShardedUnit]         # trainable units, in the order the optimizer steps them
+    frozen_units: Sequence[ShardedUnit]  # sharded frozen parameters (stage 3); never stepped
+
+    @property
+    def reduces_every_micro_step(self) -> bool: ...  # else only at the accumulation boundary
+
+    def start_micro_step(self, reduce: bool) -> None: ...
+
+    def finish_micro_step(self, boundary: bool) -> Optional[torch.Tensor]: ...
+
+    def after_step(self) -> None: ...  # re-assemble full parameters from the updated shards
+
+    def take_written_units(self) -> list[ShardedUnit]: ...  # shards written outside the optimizer
+
+    def remove_hooks(self) -> None: ...
+
+
+class CheckpointOptimizer(Protocol):
+    """What checkpoints may read and set of the sharded optimizer (one flat master per unit)."""
+
+    masters: list[torch.Tensor]       # fp32 master shards, one per strategy unit, same order
+    optimizer: Any                    # the inner optimizer (its class and LARC settings are saved)
+    group_indices: list[int]          # the user's group index of each inner group
+    param_groups: list[dict]          # the inner groups (hyper-parameters)
+
+    def state_of(self, index: int) -> dict: ...
+
+    def load_state_of(self, index: int, state: dict) -> None: ...
+
+    def scalar_state_device(self, index: int) -> torch.device: ...
+
+    def load_master_from_shard(self, index: int) -> None: ...
+
+
+class CheckpointEngine(Protocol):
+    """What checkpoints read and set of a live engine."""
+
+    module: nn.Module
+    config: Any
+    process_group: Any
+    rank: int
+    world_size: int
+    stage: int
+    global_step: int
+    micro_step: int
+    skipped_steps: int
+    gradient_accumulation_steps: int
+    scaler: Any
+    sharding: ShardingStrategy
+    optimizer: CheckpointOptimizer
+
+    @property
+    def units(self) -> Sequence[ShardedUnit]: ...
+
+    @property
+    def at_step_boundary(self) -> bool: ...  # no gradient accumulated since the last optimizer step

@@ -1,0 +1,90 @@
+"""The stage 0-2 sharding strategy: `GradReducer`, what the engine drives (`seams.ShardingStrategy`).
+
+It hooks every bucket's parameters, reduces buckets through one `flat.reduce_queue.ReduceQueue` in
+bucket order (see [Note: collective order] there) and, after the optimizer step, all-gathers the
+updated shards back into the full parameters (stages 1-2; stage 0 stepped them whole).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import comm
+from ..flat.reduce_queue import ReduceQueue
+from .buckets import GradBucket, ReducePolicy
+
+
+class GradReducer:
+    """Stages 0-2: buckets reduced in order as they complete, parameters re-assembled after the step."""
+
+    frozen_units: tuple = ()  # stages 0-2 keep frozen parameters whole, outside any unit
+
+    def __init__(self, buckets: list[GradBucket], process_group: comm.ProcessGroup, overlap: bool,
+                 policy: ReducePolicy, allgather_numel: int) -> None:
+        self.buckets = buckets
+        self.units = buckets
+        self.process_group = process_group
+        self.policy = policy
+        self.allgather_numel = allgather_numel
+        self.reducing_this_micro_step = False
+        self.in_backward = False  # between start_micro_step and finish_micro_step: gradients are expected
+        # collectives need the backend's device (NCCL: CUDA); the control flags are tiny
+        device = buckets[0].param_buffer.tensor.device if buckets else torch.device("cpu")
+        # overlap_comm=false: each reduction completes before backward goes on
+        self.queue = ReduceQueue(process_group, device, async_op=overlap, max_inflight=None if overlap else 0,
+                                 reduce_all=True)
+        self._hooks = []
+        for bucket in buckets:
+            for index, p in enumerate(bucket.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(bucket, index)))
+
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        return self.policy.reduces_every_micro_step
+
+    def _make_hook(self, bucket: GradBucket, index: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self.in_backward:
+                param.grad = None  # discarded: it would otherwise be added silently into the next step
+                raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
+                                   "discarded; call engine.backward(loss) instead of loss.backward()")
+            bucket.grads.add_grad(index)
+            if self.reducing_this_micro_step:
+                self.queue.launch_ready()
+        return hook
+
+    def start_micro_step(self, reduce: bool) -> None:
+        """Before one backward; `reduce` says whether gradients are reduced after it."""
+        self.reducing_this_micro_step = reduce
+        self.in_backward = True
+        self.queue.start([b.grads for b in self.buckets])
+
+    def finish_micro_step(self, boundary: bool) -> Optional[torch.Tensor]:
+        """After backward: finish every reduction (if this micro-step reduces).
+
+        At an accumulation boundary, returns per-parameter flags (concatenated over buckets) saying
+        whether the parameter got a gradient on any rank during the step; None otherwise.
+        """
+        self.in_backward = False
+        if not self.reducing_this_micro_step:
+            return None
+        return self.queue.finish(boundary, [b.grads for b in self.buckets])
+
+    def after_step(self) -> None:
+        """All-gather every bucket's updated shards into the full parameters (stages 1-2)."""
+        if not self.policy.shard_optimizer:
+            return  # stage 0: every rank stepped the full parameters already
+        handles = [b.gather_params(self.allgather_numel) for b in self.buckets]
+        for handle in handles:
+            handle.wait()
+
+    def take_written_units(self) -> list:
+        """None: stage 0-2 shards are only written by the optimizer step (and checkpoint loads)."""
+        return []
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,71 @@
+"""Building the stage-3 strategy from a model: `build_stage3_sharding`.
+
+Module units come from wrap.py's plan; inside each, parameters are grouped into flat units by
+(optimizer group, persistent or not, dtype, device); small frozen parameters stay whole. Everything
+a lower layer needs is passed at its construction: the shard group to flat units, the flat units
+and the shared `Schedule` to module units, all of them to the strategy.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .. import comm
+from ..config import ZeroConfig
+from .flat_unit import FlatUnit
+from .module_unit import ModuleUnit
+from .params import owner_of
+from .schedule import Schedule
+from .shard_group import ShardGroup
+from .strategy import Stage3Sharding
+from .wrap import choose_unit_modules, plan_units
+
+
+def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], config: ZeroConfig,
+                          process_group: comm.ProcessGroup) -> Stage3Sharding:
+    """Partition `model`'s parameters into units and hook its modules (see the module docstring).
+
+    `groups` are the optimizer's param groups, trainable parameters only, in model order.
+    """
+    zero = config.zero_optimization
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("zerodp stage 3: the model has no parameters")
+    if any(isinstance(owner_of(p), FlatUnit) for p in params):
+        raise ValueError("zerodp stage 3: the model is already partitioned by another engine")
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
+    shards = ShardGroup(process_group, params[0].device, use_all_reduce=not zero.reduce_scatter)
+    plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
+    threshold = zero.stage3_param_persistence_threshold
+    flats: list[FlatUnit] = []
+    owned_by_unit: list[tuple] = []
+    for plan in plans:
+        buckets: dict[tuple, tuple[list, list]] = {}
+        for p, name in zip(plan.params, plan.names):
+            persistent = p.numel() < threshold
+            if not p.requires_grad and persistent:
+                continue  # small and frozen: stays whole, no unit, no state
+            key = (group_of[id(p)] if p.requires_grad else -1, persistent, p.dtype, p.device)
+            ps, ns = buckets.setdefault(key, ([], []))
+            ps.append(p)
+            ns.append(name)
+        owned = []
+        for (group_index, persistent, _, _), (ps, ns) in buckets.items():
+            flat = FlatUnit(ps, ns, group_index, shards, index=len(flats), module_name=plan.name or "<root>",
+                            trainable=group_index >= 0, persistent=persistent)
+            flats.append(flat)
+            owned.append(flat)
+        if owned or plan.module is model:
+            owned_by_unit.append((plan, owned))
+    prefetch_numel = zero.stage3_prefetch_bucket_size
+    if prefetch_numel is None:
+        # Default: one unit ahead (the largest unit below the root), as FSDP prefetches. Enough to overlap
+        # each gather with the previous unit's compute; a larger budget only holds more gathered memory
+        # (measured on the 33.7M benchmark GPT: 50M elements ahead, DeepSpeed's default, peaks 110 MiB
+        # higher per rank than one unit ahead).
+        prefetch_numel = max((sum(f.layout.padded_numel for f in owned if not f.persistent)
+                              for plan, owned in owned_by_unit if plan.module is not model), default=0)
+    schedule = Schedule(flats, shards, prefetch_numel, zero.stage3_max_live_parameters)
+    module_units = [ModuleUnit(plan.module, plan.name, owned, schedule, is_root=plan.module is model)
+                    for plan, owned in owned_by_unit]
+    return Stage3Sharding(model, module_units, flats, shards, schedule, zero.overlap_comm)

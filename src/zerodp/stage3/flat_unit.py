@@ -1,0 +1,193 @@
+"""One flat unit of stage 3: the parameters of one module unit and one optimizer group, sharded.
+
+A `FlatUnit` lays its parameters out in a padded flat buffer (`partition.FlatLayout`) and keeps
+only this rank's slice persistently:
+
+    param_shard  shard_numel elements, param dtype   the real storage of this rank's parameters
+    grad_shard   shard_numel elements, param dtype   reduced, rank-averaged gradient, accumulated
+    gathered     padded_numel elements               allocated only while the unit is gathered
+    grad_full    padded_numel elements               allocated only between a unit's first
+                                                     gradient of a micro-step and its reduction
+
+so at rest it holds (param + grad) * Psi_unit / N bytes, the paper's Pos+g+p. The optimizer and
+checkpoints see it through `seams.ShardedUnit`. Its gradients are a `flat.grad_shard.GradShard`
+(the gradient life cycle every stage shares) that reduce-scatters through the `ShardGroup`.
+
+Two variants share the class:
+- persistent (every parameter below `stage3_param_persistence_threshold`): the gathered buffer is
+  never freed and `param_shard` is a view of it; gradients are still reduce-scattered and the
+  optimizer steps the shard; `Stage3Sharding.after_step` all-gathers the updated shards.
+- frozen (requires_grad=False parameters): sharded and gathered like the others, no gradient
+  storage at all, never seen by the optimizer.
+
+Parameter states (asserted): SHARDED -> GATHERING -> GATHERED -> SHARDED; gradient states are
+`GradShard`'s. A flat unit knows nothing above it: module units acquire and release it, the strategy
+launches its reductions, and the parameter registry (params.py) routes reads of its sharded
+parameters to the strategy.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..flat.buffer import FlatBuffer, free_storage
+from ..flat.grad_shard import GradShard
+from ..flat.layout import FlatLayout
+from .params import owner_of, set_partitioned
+from .shard_group import ShardGroup
+
+
+class ShardState(Enum):
+    SHARDED = auto()    # only param_shard holds values; the gathered buffer has no storage
+    GATHERING = auto()  # all-gather in flight
+    GATHERED = auto()   # the parameters hold their full values
+
+
+class FlatUnit:
+    """The parameters of one (module unit, optimizer group) pair, flat and sharded over `shards`."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int, shards: ShardGroup, *,
+                 index: int, module_name: str, trainable: bool, persistent: bool) -> None:
+        if not params:
+            raise ValueError("a FlatUnit needs at least one parameter")
+        self.params = params
+        self.names = names
+        self.group_index = group_index   # -1 for frozen units
+        self.shards = shards
+        self.index = index               # position among the model's flat units (a stable order on every rank)
+        self.module_name = module_name   # the module unit whose forward gathers this unit
+        self.trainable = trainable
+        self.persistent = persistent
+        self.layout = FlatLayout.of([p.shape for p in params], shards.world)
+        self.shard_index = shards.rank
+        first = params[0]
+        dtype, device = first.dtype, first.device
+        self.gathered = FlatBuffer(self.layout, dtype, device)
+        for i, p in enumerate(params):
+            source = owner_of(p)
+            if source is not None:  # created partitioned by init_context: gathered one parameter at a time
+                source.gather_into(self.gathered.view(i))
+            else:
+                self.gathered.view(i).copy_(p.detach())
+        self.gathered.tensor[self.layout.numel:].zero_()
+        self._classes = [type(p) for p in params]
+        own = self.gathered.shard(self.shard_index)
+        # A persistent unit's shard is a view of its always-gathered buffer; otherwise the shard is its
+        # own storage, the only copy of these values that outlives a gather.
+        self.param_shard = own if persistent else own.clone()
+        for p, view in zip(params, self.gathered.views()):
+            p.data = view  # forever: see [Note: partitioned parameters]
+        # Frozen units have no gradient storage at all.
+        self.grads: Optional[GradShard] = GradShard(
+            params, self.layout, self.shard_index, shards.world, self._reduce, keep_full=False,
+            name=f"{module_name}[{index}]") if trainable else None
+        self._gather_handle = None
+        self.holders = 0                 # module units (and gathered_parameters blocks) using the values now
+        self.state = ShardState.GATHERED
+        if not persistent:
+            self.shards.live_numel += self.layout.padded_numel  # gathered since construction
+            self.holders = 1
+            self.release()
+
+    # -- accounting (the optimizer and memory_report read these) --------------------------------
+
+    def param_bytes(self) -> int:
+        """Parameter bytes held now: the shard, plus the gathered buffer while it is allocated."""
+        shard = 0 if self.persistent else self.param_shard.numel() * self.param_shard.element_size()
+        return shard + self.gathered.nbytes
+
+    def grad_bytes(self) -> int:
+        """Gradient bytes held now: the shard, plus the full gradient buffer while one is pending."""
+        return self.grads.nbytes if self.grads is not None else 0
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's reduced, rank-averaged gradients (trainable units)."""
+        return self.grads.shard
+
+    def name_of(self, param: torch.Tensor) -> str:
+        for p, name in zip(self.params, self.names):
+            if p is param:
+                return name
+        return "<unknown>"
+
+    # -- gathering ---------------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Start gathering the full parameters (no-op when gathered or in flight)."""
+        if self.state is not ShardState.SHARDED:
+            return
+        self._gather_handle = self.shards.unshard(self.gathered.tensor, self.param_shard, what=self.describe())
+        self.state = ShardState.GATHERING
+
+    def wait_for_unshard(self) -> None:
+        """Finish the gather; the parameters then hold their full values."""
+        if self.state is ShardState.GATHERING:
+            self._gather_handle.wait()
+            self._gather_handle = None
+            set_partitioned(self.params, self._classes)
+            self.state = ShardState.GATHERED
+
+    def reshard(self) -> None:
+        """Release the gathered storage (not for persistent units); see [Note: freeing storage]."""
+        if self.persistent or self.state is ShardState.SHARDED:
+            return
+        assert self.holders == 0, f"resharding {self.module_name} while {self.holders} users hold it"
+        self.wait_for_unshard()  # never free a buffer a collective may still write
+        set_partitioned(self.params, None)
+        # Setting p.data would only drop a reference: autograd's saved views keep the bytes alive.
+        free_storage(self.gathered.tensor)
+        self.shards.on_resharded(self.gathered.tensor)
+        self.state = ShardState.SHARDED
+
+    def acquire(self, wait: bool = True) -> None:
+        """Hold the full parameters (gathering them if needed) until the matching `release`."""
+        self.holders += 1
+        self.unshard()
+        if wait:
+            self.wait_for_unshard()
+
+    def release(self) -> None:
+        """Drop one hold; the last one reshards."""
+        assert self.holders > 0, f"release of {self.module_name} without a matching acquire"
+        self.holders -= 1
+        if self.holders == 0:
+            self.reshard()
+
+    def write_back(self, src: int) -> None:
+        """Make rank `src`'s gathered values the new parameters: broadcast them and keep this rank's
+        slice. Every rank must call it while gathered."""
+        assert self.state is ShardState.GATHERED
+        comm.broadcast(self.gathered.tensor, src, self.shards.process_group, tag="param")
+        if not self.persistent:
+            self.param_shard.copy_(self.gathered.shard(self.shard_index))
+
+    # -- gradients ---------------------------------------------------------------------------------
+
+    def _reduce(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> comm.Handle:
+        # on the shard group's reduce communicator and stream; always asynchronous there
+        return self.shards.reduce_scatter(output, full, what=self.describe())
+
+    def zero_grad(self) -> None:
+        """Forget gradients after an optimizer step (or a skipped one)."""
+        self.grads.zero_grad()
+
+    def after_step_gather(self):
+        """Persistent units: start gathering the updated shards into the full parameters; returns the handle."""
+        assert self.persistent
+        return comm.all_gather(self.gathered.tensor, self.param_shard, self.shards.process_group,
+                               async_op=True, tag="param")
+
+    def describe(self) -> str:
+        """How collectives name this unit in diagnostics (watchdog, debug_sync)."""
+        return f"unit '{self.module_name}' (flat unit {self.index})"
+
+    def __repr__(self) -> str:
+        kind = "persistent" if self.persistent else ("frozen" if not self.trainable else "sharded")
+        return (f"FlatUnit({self.index}, {self.module_name!r}, group={self.group_index}, {kind}, "
+                f"numel={self.layout.numel}, {self.state.name})")

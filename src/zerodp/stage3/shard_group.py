@@ -1,0 +1,114 @@
+"""Where stage-3 collectives run: the shard group (its ranks, two communicators, CUDA streams).
+
+Every flat unit of one model is sharded over the same `ShardGroup`. It owns no tensors; it issues
+the two collectives of stage 3 and returns handles whose `wait()` makes the result usable:
+    unshard:  all-gather every rank's shard into the unit's gathered buffer (allocating it)
+    reduce:   reduce-scatter the unit's full gradient, leaving this rank's slice (summed)
+and it counts the elements of gathered buffers alive right now (`live_numel`, `peak_live_numel`).
+
+[Note: two communicators]
+Gathers are issued at module-level events (a unit's forward, its backward, prefetch), in an order
+every rank reproduces as long as every rank runs the same modules. A reduction is launched when a
+unit's last gradient arrives, a parameter-level event: a rank whose batch leaves one parameter
+unused completes that unit later than the others. On a single communicator the two kinds would then
+interleave differently on different ranks, and the i-th collective of one rank would meet another
+collective on the next rank (a hang, or silently mixed tensors). So reductions run on a second
+communicator over the same ranks (`reduce_group`), issued strictly in the unit order fixed at the
+start of each backward (see Stage3Sharding._launch_ready and [Note: collective order] in
+flat/reduce_queue.py); gathers and the small control collectives stay on the engine's group.
+
+[Note: CUDA streams]
+On CUDA, gathers run on `gather_stream` and reductions on `reduce_stream`, so they overlap compute:
+- a gather first makes its stream wait for the compute stream (the shard was last written there
+  by the optimizer), allocates the gathered buffer *on the gather stream* and records an event;
+  `wait()` makes the consuming stream wait for that event and calls `record_stream` on the buffer,
+  so that when the unit is resharded (storage freed on the host, at once) the caching allocator
+  does not hand the bytes to anyone before the consuming stream has finished reading them;
+- a reduction makes its stream wait for the compute stream (gradients were accumulated there), and
+  the full gradient buffer, allocated on the compute stream, is `record_stream`-ed on the reduce
+  stream for the same reason; `wait()` makes the consuming stream wait for the reduction's event.
+On CPU (gloo) the collectives are plain asynchronous work handles.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import comm
+from ..flat.buffer import alloc_storage
+
+
+class _StreamHandle:
+    """A collective queued on a side stream: `wait()` orders the current stream after it."""
+
+    def __init__(self, event: "torch.cuda.Event", consumed: Optional[torch.Tensor]) -> None:
+        self._event, self._consumed, self._done = event, consumed, False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        current = torch.cuda.current_stream()
+        current.wait_event(self._event)
+        if self._consumed is not None:
+            # allocated on the gather stream, read on `current`: see [Note: CUDA streams]
+            self._consumed.record_stream(current)
+        self._done = True
+
+
+class ShardGroup:
+    """The ranks a model's units are sharded over, and where their collectives run."""
+
+    def __init__(self, process_group: comm.ProcessGroup, device: torch.device, use_all_reduce: bool = False) -> None:
+        self.process_group = process_group
+        self.use_all_reduce = use_all_reduce  # DeepSpeed's reduce_scatter=false
+        self.rank = comm.get_rank(process_group)
+        self.world = comm.get_world_size(process_group)
+        self.reduce_group = comm.new_group_like(process_group)  # see [Note: two communicators]
+        self.gather_stream = self.reduce_stream = None
+        if device.type == "cuda" and torch.cuda.is_available():
+            self.gather_stream = torch.cuda.Stream(device)
+            self.reduce_stream = torch.cuda.Stream(device)
+        self.live_numel = 0       # elements of gathered buffers allocated right now (persistent units excluded)
+        self.peak_live_numel = 0
+
+    def unshard(self, full: torch.Tensor, shard: torch.Tensor, what: str = ""):
+        """Allocate `full` and all-gather every rank's `shard` into it; returns a handle to wait on."""
+        self.live_numel += full.numel()
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        if self.gather_stream is None:
+            alloc_storage(full, full.numel())
+            return comm.all_gather(full, shard, self.process_group, async_op=True, tag="param", what=what)
+        stream = self.gather_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            alloc_storage(full, full.numel())  # memory from the gather stream's pool
+            # NCCL queues the op after `stream` and makes `stream` wait for it; the host does not block
+            comm.all_gather(full, shard, self.process_group, async_op=False, tag="param", what=what)
+            event = stream.record_event()
+        return _StreamHandle(event, consumed=full)
+
+    def on_resharded(self, full: torch.Tensor) -> None:
+        """Account for a gathered buffer whose storage was just released."""
+        self.live_numel -= full.numel()
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str = ""):
+        """Sum `full` over ranks into this rank's slice `output`; returns a handle to wait on."""
+        if self.reduce_stream is None:
+            return comm.reduce_scatter(output, full, self.reduce_group, async_op=True, tag="grad",
+                                       use_all_reduce=self.use_all_reduce, what=what)
+        stream = self.reduce_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            comm.reduce_scatter(output, full, self.reduce_group, async_op=False, tag="grad",
+                                use_all_reduce=self.use_all_reduce, what=what)
+            event = stream.record_event()
+        full.record_stream(stream)  # allocated on the compute stream, read on this one
+        return _StreamHandle(event, consumed=None)
+
+    def sync_all(self) -> None:
+        """Make the current stream wait for every side-stream collective (CUDA; no-op on CPU)."""
+        if self.gather_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.gather_stream)
+            torch.cuda.current_stream().wait_stream(self.reduce_stream)
