@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
+import zerodp.integrations.vissl
 from zerodp.config_vissl import load_vissl
 
 SWAV = Path(__file__).resolve().parents[1] / "configs" / "vissl" / "swav_8node_resnet.yaml"
@@ -105,7 +106,7 @@ def vissl_run(stage: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     setup = load_vissl(SWAV, overrides=OVERRIDES[stage])
     model = make_model()
-    engine, schedule = setup.initialize(model, steps_per_epoch=STEPS_PER_EPOCH)
+    engine, schedule = zerodp.integrations.vissl.initialize(setup, model, steps_per_epoch=STEPS_PER_EPOCH)
     assert engine.stage == stage and isinstance(engine.optimizer.optimizer, zerodp.optim.LARC)
     losses, lrs = [], []
     for step in range(STEPS_PER_EPOCH):

@@ -1,7 +1,7 @@
 """VISSL config files, read as VISSL writes them, turned into a zerodp run.
 
     setup = zerodp.config_vissl.load_vissl("swav_8node_resnet.yaml")   # or a list: base, then overlays
-    engine, schedule = setup.initialize(model, steps_per_epoch=len(loader))
+    engine, schedule = zerodp.integrations.vissl.initialize(setup, model, steps_per_epoch=len(loader))
     ... engine.backward(loss); engine.step(); schedule.step()          # per optimizer step
 
 What is read (everything else, e.g. DATA, LOSS, MODEL.TRUNK, MODEL.HEAD, MACHINE, CHECKPOINT, belongs to
@@ -30,18 +30,11 @@ from torch import nn
 
 from ..errors import ConfigError
 from .vissl_defaults import VISSL_DEFAULTS
-from .vissl_params import build_vissl_optimizer
-from .vissl_schedule import LRSchedule, build_schedule
+from .vissl_resolve import resolve
+from .vissl_setup import VisslSetup, _check_keys, _merge
 
 log = logging.getLogger("zerodp")
 
-_TOP_KEYS = {"OPTIMIZER", "MODEL", "USE_SDP", "DATA", "LOSS", "TRAINER", "DISTRIBUTED", "MACHINE", "CHECKPOINT",
-             "HOOKS", "METERS", "SEED_VALUE"}
-_READ_MODEL = {"SHARDED_DDP_SETUP", "FSDP_CONFIG", "AMP_PARAMS", "GRAD_CLIP"}
-_BASE_KEYS = {"name", "use_larc", "larc_config", "weight_decay", "momentum", "nesterov", "betas", "lr"}
-_SCHEDULE_KEYS = {"auto_lr_scaling", "name", "update_interval", "values", "milestones", "schedulers",
-                  "interval_scaling", "lengths", "start_value", "end_value", "value"}
-_SUB_SCHEDULE_KEYS = _SCHEDULE_KEYS - {"auto_lr_scaling", "update_interval"}
 Source = Union[str, Path, dict]
 
 
@@ -50,29 +43,6 @@ def is_vissl(data: dict) -> bool:
     if isinstance(data.get("config"), dict):
         return True
     return any(k in data for k in ("OPTIMIZER", "MODEL", "USE_SDP"))
-
-
-def _close(section: str, key: str, allowed: Iterable[str]) -> ConfigError:
-    close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(allowed))}"
-    return ConfigError(f"VISSL config: unknown key '{section}.{key}'{hint}")
-
-
-def _check_keys(section: str, data: Any, allowed: Iterable[str]) -> dict:
-    if not isinstance(data, dict):
-        raise ConfigError(f"VISSL config: {section} must be a mapping, got {type(data).__name__}")
-    for key in data:
-        if key not in allowed:
-            raise _close(section, key, allowed)
-    return data
-
-
-def _merge(base: dict, over: dict) -> dict:
-    """Hydra-style composition: mappings merge key by key, anything else (lists included) is replaced."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
 
 
 def _read_one(source: Source) -> dict:
@@ -119,52 +89,15 @@ def read_vissl(sources: Union[Source, list], overrides: Iterable[str] = ()) -> d
     return data
 
 
-@dataclass
-class VisslSetup:
-    """A VISSL config resolved for zerodp: the DeepSpeed-style config plus what needs the model."""
-
-    zero_config: dict
-    optimizer: dict            # name, hyper-parameters, LARC, regularization (see vissl_params)
-    lr_schedule_spec: dict     # OPTIMIZER.param_schedulers.lr after VISSL's auto LR scaling
-    num_epochs: int
-    update_interval: str
-    read: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def report(self) -> str:
-        """What zerodp read, how each key was honoured, and which sections it left to VISSL's trainer."""
-        lines = [f"zerodp read {', '.join(self.read)} from the VISSL config"]
-        if self.ignored:
-            lines.append(f"ignored (VISSL trainer sections): {', '.join(self.ignored)}")
-        return "\n".join(lines + self.notes)
-
-    def schedule_value(self, where: float) -> float:
-        return build_schedule(self.lr_schedule_spec, self.num_epochs)(where)
-
-    def build_optimizer(self, model: nn.Module):
-        """The optimizer VISSL builds: VISSL's param groups, SGD/Adam(W), LARC around SGD if use_larc."""
-        return build_vissl_optimizer(model, self.optimizer, lr=self.schedule_value(0.0))
-
-    def lr_schedule(self, optimizer, steps_per_epoch: int) -> LRSchedule:
-        """The learning-rate schedule over `optimizer.param_groups` (engine.optimizer for a zerodp engine)."""
-        schedule = build_schedule(self.lr_schedule_spec, self.num_epochs)
-        return LRSchedule(optimizer.param_groups, schedule, self.num_epochs, steps_per_epoch, self.update_interval)
-
-    def initialize(self, model: nn.Module, steps_per_epoch: int, process_group=None):
-        """`zerodp.initialize` with this config; returns (engine, lr schedule to step after each engine step)."""
-        from ..engine import initialize
-
-        engine = initialize(model, self.build_optimizer(model), self.zero_config, process_group)
-        return engine, self.lr_schedule(engine.optimizer, steps_per_epoch)
-
-
 def load_vissl(sources: Union[Source, list], overrides: Iterable[str] = (), quiet: bool = False) -> VisslSetup:
     """Resolve VISSL config file(s) (paths or mappings, composed in order) for zerodp; logs the report once."""
-    from .vissl_resolve import resolve
-
-    setup = resolve(read_vissl(sources, overrides), VISSL_DEFAULTS, _check_keys)
+    try:
+        setup = resolve(read_vissl(sources, overrides), VISSL_DEFAULTS, _check_keys)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as err:  # a value of the wrong type, say
+        raise ConfigError(f"VISSL config: {type(err).__name__}: {err}; check the value's type against VISSL's "
+                          f"defaults.yaml") from None
     if not quiet:
         log.info("%s", setup.report)
     return setup
@@ -173,7 +106,7 @@ def load_vissl(sources: Union[Source, list], overrides: Iterable[str] = (), quie
 def translate_vissl(data: dict) -> dict:
     """The DeepSpeed-style dict for `load_config` (which has no model): the optimizer section holds one
     param group at the schedule's first learning rate. `zerodp.initialize(model, None, vissl_file)` and
-    `load_vissl(...).initialize(model, steps_per_epoch)` build VISSL's param groups and schedule instead."""
+    `zerodp.integrations.vissl.initialize(load_vissl(...), model, steps_per_epoch)` build VISSL's param groups and schedule instead."""
     setup = load_vissl(data, quiet=True)
     out = copy.deepcopy(setup.zero_config)
     opt = setup.optimizer
@@ -209,6 +142,6 @@ def vissl_initialize_args(model: nn.Module, config: Any) -> tuple[Optional[Any],
     setup = load_vissl(raw)
     if setup.lr_schedule_spec["name"] != "constant":
         raise ConfigError(f"VISSL config: the learning rate follows a '{setup.lr_schedule_spec['name']}' schedule, "
-                          f"which needs the steps per epoch: use engine, schedule = zerodp.config_vissl.load_vissl("
-                          f"path).initialize(model, steps_per_epoch=...) and call schedule.step() after engine.step()")
+                          f"which needs the steps per epoch: use engine, schedule = zerodp.integrations.vissl."
+                          f"initialize(zerodp.config_vissl.load_vissl(path), model, steps_per_epoch=...) and call schedule.step() after engine.step()")
     return setup.build_optimizer(model), setup.zero_config

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Callable
 
 from ..errors import ConfigError
 from .vissl_schedule import _float
+from .vissl_setup import (_BASE_KEYS, _READ_MODEL, _SCHEDULE_KEYS, _SUB_SCHEDULE_KEYS, _TOP_KEYS, VisslSetup, _close,
+                          _merge)
 
 _OPTIMIZERS = {"sgd", "sgd_fsdp", "adam", "adamw"}
 
@@ -30,7 +33,6 @@ def _flatten_optimizer(opt: dict, check) -> dict:
             raise ConfigError("VISSL config: OPTIMIZER.name is 'zero' but OPTIMIZER.base_optimizer is missing; "
                               "add base_optimizer: {name: sgd, ...} or use the flat form with use_zero: true")
         return opt
-    from .vissl import _BASE_KEYS
 
     base = check("OPTIMIZER.base_optimizer", opt["base_optimizer"], _BASE_KEYS)
     flat = {k: v for k, v in opt.items() if k != "base_optimizer"}
@@ -96,14 +98,12 @@ def _check_schedule(section: str, spec: dict, check, allowed) -> None:
     if "auto_lr_scaling" in spec:
         check(f"{section}.auto_lr_scaling", spec["auto_lr_scaling"],
               {"auto_scale", "base_value", "base_lr_batch_size", "scaling_type"})
-    from .vissl import _SUB_SCHEDULE_KEYS
 
     for i, sub in enumerate(spec.get("schedulers") or []):
         _check_schedule(f"{section}.schedulers[{i}]", sub, check, _SUB_SCHEDULE_KEYS)
 
 
-def resolve(user: dict, defaults: dict, check: Callable) -> "VisslSetup":  # noqa: F821
-    from .vissl import _READ_MODEL, _SCHEDULE_KEYS, _TOP_KEYS, VisslSetup, _close, _merge
+def resolve(user: dict, defaults: dict, check: Callable) -> VisslSetup:
 
     read, notes = ["OPTIMIZER"], []
     ignored = sorted(k for k in user if k not in ("OPTIMIZER", "MODEL", "USE_SDP", "DATA"))
@@ -153,13 +153,13 @@ def resolve(user: dict, defaults: dict, check: Callable) -> "VisslSetup":  # noq
         read.append("DATA.TRAIN.BATCHSIZE_PER_REPLICA")
     read += [f"MODEL.{k}" for k in sorted(_READ_MODEL & set(user_model))]
     if stage == 2:
+        # fairscale's ShardedDDP counts its reduce buffer in elements, as zerodp does; -1 is its default
+        # (2**23) and 0 means no bucketing (one bucket per parameter)
         buffer = int(sdp_cfg["reduce_buffer_size"])
-        if buffer > 0:
-            zero["reduce_bucket_size"] = buffer  # fairscale counts the reduce buffer in elements, as zerodp does
-        else:
-            notes.append(f"MODEL.SHARDED_DDP_SETUP.reduce_buffer_size={buffer}: zerodp keeps its default gradient "
-                         f"bucket ({'no bucketing' if buffer == 0 else 'fairscale default'} asked for; results "
-                         f"are identical, only the message sizes differ)")
+        zero["reduce_bucket_size"] = 2 ** 23 if buffer < 0 else max(buffer, 1)
+    elif "reduce_buffer_size" in user_model.get("SHARDED_DDP_SETUP", {}):
+        warnings.warn("VISSL config: MODEL.SHARDED_DDP_SETUP.reduce_buffer_size has no effect without USE_SDP "
+                      "(VISSL passes it to ShardedDDP only)", UserWarning, stacklevel=3)
     if stage == 3:
         _fsdp(fsdp_cfg, zero, notes)
 

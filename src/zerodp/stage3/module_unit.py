@@ -212,6 +212,10 @@ class ModuleUnit:
         """A gradient reached one of the unit's outputs: gather for the unit's backward."""
         if self.state is TrainingState.BACKWARD:
             return
+        if not self.schedule.in_backward:
+            # a stray loss.backward(): refuse before anything is gathered or accumulated
+            raise RuntimeError("zerodp: a backward was started outside engine.backward(loss); nothing was "
+                               "accumulated; call engine.backward(loss) instead of loss.backward()")
         watchdog.activity.unit = self.name
         self.schedule.record_backward(self)
         self.acquire()

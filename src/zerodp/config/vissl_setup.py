@@ -1,0 +1,82 @@
+"""What zerodp reads from a VISSL config: the key sets of the sections it reads, and `VisslSetup`, the
+resolved result (`vissl_resolve.resolve` builds it; `vissl.load_vissl` is the entry point).
+
+Building an engine from a setup belongs above the config layer: `zerodp.integrations.vissl.initialize`.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from torch import nn
+
+from ..errors import ConfigError
+from .vissl_params import build_vissl_optimizer
+from .vissl_schedule import LRSchedule, build_schedule
+
+_TOP_KEYS = {"OPTIMIZER", "MODEL", "USE_SDP", "DATA", "LOSS", "TRAINER", "DISTRIBUTED", "MACHINE", "CHECKPOINT",
+             "HOOKS", "METERS", "SEED_VALUE"}
+_READ_MODEL = {"SHARDED_DDP_SETUP", "FSDP_CONFIG", "AMP_PARAMS", "GRAD_CLIP"}
+_BASE_KEYS = {"name", "use_larc", "larc_config", "weight_decay", "momentum", "nesterov", "betas", "lr"}
+_SCHEDULE_KEYS = {"auto_lr_scaling", "name", "update_interval", "values", "milestones", "schedulers",
+                  "interval_scaling", "lengths", "start_value", "end_value", "value"}
+_SUB_SCHEDULE_KEYS = _SCHEDULE_KEYS - {"auto_lr_scaling", "update_interval"}
+
+def _close(section: str, key: str, allowed: Iterable[str]) -> ConfigError:
+    close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(allowed))}"
+    return ConfigError(f"VISSL config: unknown key '{section}.{key}'{hint}")
+
+
+def _check_keys(section: str, data: Any, allowed: Iterable[str]) -> dict:
+    if not isinstance(data, dict):
+        raise ConfigError(f"VISSL config: {section} must be a mapping, got {type(data).__name__}")
+    for key in data:
+        if key not in allowed:
+            raise _close(section, key, allowed)
+    return data
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """Hydra-style composition: mappings merge key by key, anything else (lists included) is replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+@dataclass
+class VisslSetup:
+    """A VISSL config resolved for zerodp: the DeepSpeed-style config plus what needs the model."""
+
+    zero_config: dict
+    optimizer: dict            # name, hyper-parameters, LARC, regularization (see vissl_params)
+    lr_schedule_spec: dict     # OPTIMIZER.param_schedulers.lr after VISSL's auto LR scaling
+    num_epochs: int
+    update_interval: str
+    read: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def report(self) -> str:
+        """What zerodp read, how each key was honoured, and which sections it left to VISSL's trainer."""
+        lines = [f"zerodp read {', '.join(self.read)} from the VISSL config"]
+        if self.ignored:
+            lines.append(f"ignored (VISSL trainer sections): {', '.join(self.ignored)}")
+        return "\n".join(lines + self.notes)
+
+    def schedule_value(self, where: float) -> float:
+        return build_schedule(self.lr_schedule_spec, self.num_epochs)(where)
+
+    def build_optimizer(self, model: nn.Module):
+        """The optimizer VISSL builds: VISSL's param groups, SGD/Adam(W), LARC around SGD if use_larc."""
+        return build_vissl_optimizer(model, self.optimizer, lr=self.schedule_value(0.0))
+
+    def lr_schedule(self, optimizer, steps_per_epoch: int) -> LRSchedule:
+        """The learning-rate schedule over `optimizer.param_groups` (engine.optimizer for a zerodp engine)."""
+        schedule = build_schedule(self.lr_schedule_spec, self.num_epochs)
+        return LRSchedule(optimizer.param_groups, schedule, self.num_epochs, steps_per_epoch, self.update_interval)
