@@ -50,6 +50,7 @@ def traffic_run() -> dict:
     probe_model = gpt()  # an engine built only to read unit sizes, to set the budgets
     probe = zerodp.initialize(probe_model, torch.optim.SGD(probe_model.parameters(), lr=0.1), cfg)
     flats_numel = [f.layout.padded_numel for f in probe.sharding.flats]
+    root_numel = [f.layout.padded_numel for f in probe.sharding.flats if f.module_name == "<root>"]
     per_unit = {mu.name: mu.gathered_numel for mu in probe.sharding.module_units}
     block = per_unit["blocks.0"]
     root_and_block = per_unit["<root>"] + block
@@ -78,7 +79,7 @@ def traffic_run() -> dict:
                       "rs": [r.numel for r in bwd.of("reduce_scatter", "grad")],
                       "step_gathers": len(opt.of("all_gather")),
                       "peak": engine.sharding.peak_live_numel}
-    return {"flats": flats_numel, "budget": budget, "root_and_block": root_and_block, "logs": logs,
+    return {"flats": flats_numel, "root": root_numel, "budget": budget, "root_and_block": root_and_block, "logs": logs,
             "observed_peak_bytes": max(observed), "live_after": engine.sharding.live_numel}
 
 
@@ -86,14 +87,18 @@ def traffic_run() -> dict:
 def test_each_unit_moves_three_psi_per_step_within_the_budget(dist_run, world):
     for r in dist_run(world, traffic_run):
         units = collections.Counter(r["flats"])
+        # the root's units stay gathered from their forward to their backward (as FSDP's root does)
+        below_root = units - collections.Counter(r["root"])
+        assert r["root"] and sum(below_root.values()) == len(r["flats"]) - len(r["root"])
         for step, log in r["logs"].items():
             # every flat unit exactly once per pass (a unit's numel identifies it up to equal sizes)
             assert collections.Counter(log["fwd"]) == units, f"step {step}: forward gathers {log['fwd']}"
-            assert collections.Counter(log["bwd"]) == units, f"step {step}: backward gathers {log['bwd']}"
+            assert collections.Counter(log["bwd"]) == below_root, f"step {step}: backward gathers {log['bwd']}"
             assert collections.Counter(log["rs"]) == units, f"step {step}: reductions {log['rs']}"
             assert log["step_gathers"] == 0, "no persistent unit, so nothing is gathered after the step"
             psi = sum(r["flats"])
-            assert sum(log["fwd"]) + sum(log["bwd"]) + sum(log["rs"]) == 3 * psi  # the paper's 3Ψ
+            # the paper's 3Ψ, less one gather of the root's parameters
+            assert sum(log["fwd"]) + sum(log["bwd"]) + sum(log["rs"]) == 3 * psi - sum(r["root"])
             assert log["peak"] <= r["budget"]
         # prefetch really happened (more than root + running block alive) and stayed in budget
         assert r["logs"][2]["peak"] > r["root_and_block"]

@@ -65,13 +65,15 @@ class TrainingState(Enum):
     FORWARD = auto()    # its forward is running (outside backward)
     RECOMPUTE = auto()  # its forward is running inside backward, not yet held for backward
     BACKWARD = auto()   # gathered for its backward (the backward hold)
+    KEPT = auto()       # the root only: its forward hold kept for its backward ([Note: the root stays gathered])
 
 
 _ALLOWED = {
     TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.RECOMPUTE, TrainingState.BACKWARD},
-    TrainingState.FORWARD: {TrainingState.FORWARD, TrainingState.IDLE},
+    TrainingState.FORWARD: {TrainingState.FORWARD, TrainingState.IDLE, TrainingState.KEPT},
     TrainingState.RECOMPUTE: {TrainingState.RECOMPUTE, TrainingState.BACKWARD},
     TrainingState.BACKWARD: {TrainingState.BACKWARD, TrainingState.IDLE},
+    TrainingState.KEPT: {TrainingState.BACKWARD, TrainingState.IDLE},
 }
 
 
@@ -143,7 +145,7 @@ class ModuleUnit:
             flat.acquire()
 
     def release_backward_hold(self) -> None:
-        if self.state is TrainingState.BACKWARD:
+        if self.state in (TrainingState.BACKWARD, TrainingState.KEPT):
             self._to(TrainingState.IDLE)
             self.release()
 
@@ -160,6 +162,8 @@ class ModuleUnit:
     def _pre_forward(self, module, args, kwargs):
         watchdog.activity.unit = self.name
         s = self.schedule
+        if self.state is TrainingState.KEPT:
+            self.release_backward_hold()  # the last forward had no backward: give its hold back
         if not s.in_backward:
             self._to(TrainingState.FORWARD)
         elif self.state is not TrainingState.BACKWARD:
@@ -191,9 +195,17 @@ class ModuleUnit:
         else:
             # FORWARD: done (nested calls keep FORWARD until the outermost ends); BACKWARD: a
             # recomputation while already held for backward gives its extra hold back
-            self.release()
-            if self.state is TrainingState.FORWARD and self.holds == 0:
-                self._to(TrainingState.IDLE)
+            if self._keep_for_backward():
+                # [Note: the root stays gathered] The root's backward comes right after its forward
+                # (the loss is computed from the root's output), and FSDP keeps its root unsharded
+                # between the two as well: the forward hold becomes the backward hold, which saves
+                # one gather of the root's parameters per step (a GPT's embeddings and head). Only
+                # in training mode: an evaluation forward leaves nothing gathered.
+                self._to(TrainingState.KEPT)
+            else:
+                self.release()
+                if self.state is TrainingState.FORWARD and self.holds == 0:
+                    self._to(TrainingState.IDLE)
         if torch.is_grad_enabled() and output is not None:
             nodes = {t.grad_fn for t in tree_flatten(output)[0]
                      if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None}
@@ -205,20 +217,25 @@ class ModuleUnit:
 
     # -- backward ---------------------------------------------------------------------------------
 
+    def _keep_for_backward(self) -> bool:
+        return (self.is_root and self.module.training and self.state is TrainingState.FORWARD and self.holds == 1
+                and torch.is_grad_enabled() and not self.schedule.in_backward)
+
     def _on_output_grad(self, grad_outputs) -> None:
         self.pre_backward()
 
     def pre_backward(self) -> None:
         """A gradient reached one of the unit's outputs: gather for the unit's backward."""
-        if self.state is TrainingState.BACKWARD:
-            return
         if not self.schedule.in_backward:
             # a stray loss.backward(): refuse before anything is gathered or accumulated
             raise RuntimeError("zerodp: a backward was started outside engine.backward(loss); nothing was "
                                "accumulated; call engine.backward(loss) instead of loss.backward()")
+        if self.state is TrainingState.BACKWARD:
+            return
         watchdog.activity.unit = self.name
         self.schedule.record_backward(self)
-        self.acquire()
+        if self.state is not TrainingState.KEPT:  # KEPT: gathered and held since its forward
+            self.acquire()
         self._to(TrainingState.BACKWARD)
         self.schedule.prefetch_after(self)
 
