@@ -32,13 +32,14 @@ class Net(nn.Module):
 
 def main(mode: str) -> None:
     torch.distributed.init_process_group("gloo")
+    torch.distributed.barrier()  # ranks start in step, so a loaded machine's start-up skew is no "stall"
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     width = 16 + (8 if mode == "models" and rank == 1 else 0)
     model = Net(width, extra_on_rank=1 if mode == "extra" else -1)
     cfg = {"zero_optimization": {"stage": 3, "stage3_unit_min_params": 1, "stage3_param_persistence_threshold": 0,
                                  "debug_sync": mode == "extra"},
-           "comm_timeout_s": 3}
+           "comm_timeout_s": 8}
     try:
         engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
         for step in range(4):
