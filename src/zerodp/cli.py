@@ -20,14 +20,14 @@ from typing import Optional
 from .config import ConfigError
 from .examples.gpt import MODEL_PRESETS
 from .memory import OPTIMIZER_STATES
-from .train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STAGE, DEFAULT_STEPS, UsageError
+from .train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS, UsageError
 
 PAPER_MODELS = (7.5e9, 128e9, 1e12)
 PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
 STAGE_NAMES = {0: "baseline DP (nothing sharded)", 1: "Pos (optimizer states)", 2: "Pos+g (+ gradients)",
                3: "Pos+g+p (+ parameters)"}
 TRAIN_OPTIONS = ("config", "stage", "nproc", "steps", "model", "micro_batch", "seq_len", "lr", "precision",
-                 "resume", "out", "log_every", "seed")
+                 "resume", "out", "log_every", "seed", "save_every", "max_restarts", "overwrite", "tag")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,6 +93,14 @@ def _add_train(sub) -> None:
                    "(its checkpoints/ is used and its run.json supplies the settings) or a checkpoints folder")
     p.add_argument("--out", metavar="DIR", help="output folder for metrics, plot, sample, summary.json and "
                    "checkpoints/ (default runs/train-<time>; with --resume of a run folder, that folder)")
+    p.add_argument("--tag", metavar="T", help="with --resume: the checkpoint to resume from, e.g. global_step200 "
+                   "(default: the one the checkpoints folder's 'latest' file names)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its metrics, "
+                   "summary and checkpoints); without it, re-using a run's folder is refused")
+    p.add_argument("--save-every", type=int, metavar="K", help=f"also save a checkpoint every K steps, keeping "
+                   f"the newest 2 (default {DEFAULT_SAVE_EVERY}; 0: only at the end)")
+    p.add_argument("--max-restarts", type=int, metavar="N", help="when a rank dies, restart every rank up to N "
+                   "times from the newest checkpoint (torch's elastic agent; default 0)")
     p.add_argument("--log-every", type=int, metavar="K", help="print a log line every K steps (default 25)")
     p.add_argument("--seed", type=int, metavar="S", help="seed of the initial weights, the data order and the "
                    "sample (default 0)")
@@ -151,17 +159,24 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .train import launch, resolve_train_args
+    from .launch_report import failure_line, launcher_log
+    from .train import launch, resolve_train_args, under_torchrun
 
     args = resolve_train_args({k: getattr(ns, k) for k in TRAIN_OPTIONS})
-    try:
-        launch(args)
-    except ChildFailedError as err:
-        print(f"zerodp: error: a rank failed; the launcher's report follows\n{err}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, SignalException):
-        print("zerodp: interrupted", file=sys.stderr)
-        return 130
+    if under_torchrun():
+        launch(args)  # this process is a rank: torchrun reports failures itself
+        return 0
+    with launcher_log(Path(args.out)) as log_path:
+        try:
+            launch(args)
+        except ChildFailedError as err:
+            code, line = failure_line(err, log_path)
+            print(f"zerodp: error: {line}", file=sys.stderr)
+            return code
+        except (KeyboardInterrupt, SignalException):
+            print(f"zerodp: interrupted; the newest checkpoint is in {args.out}/checkpoints (continue with "
+                  f"--resume {args.out})", file=sys.stderr)
+            return 130
     return 0
 
 

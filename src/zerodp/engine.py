@@ -40,6 +40,8 @@ class ZeroEngine:
         self.module = model
         self.config = config
         self.process_group = process_group
+        # The engine owns the default group when zerodp created it (initialize, init_context): close() ends it.
+        self._owns_process_group = process_group is None and comm.owns_default_group()
         self.rank = comm.get_rank(process_group)
         self.world_size = comm.get_world_size(process_group)
         self.stage = config.stage
@@ -191,6 +193,25 @@ class ZeroEngine:
         from .checkpoint import full_state_dict
 
         return full_state_dict(self, rank0_only=rank0_only)
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what zerodp created: the default process group, if zerodp initialized it (else nothing).
+
+        Idempotent. Call it (or use the engine as a context manager) when training ends; an atexit
+        hook does the same at interpreter exit (see [Note: teardown] in comm.py). After close() the
+        engine can no longer communicate; a process group the caller created is left alone.
+        """
+        if self._owns_process_group:
+            self._owns_process_group = False
+            comm.destroy_distributed()
+
+    def __enter__(self) -> "ZeroEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- set-up helpers --------------------------------------------------------------------------
 
