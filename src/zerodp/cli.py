@@ -280,7 +280,8 @@ def _cmd_consolidate(ns: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     argv = [ns.ckpt_dir, ns.out] + ([] if ns.tag is None else ["--tag", ns.tag])
-    return int(consolidate_main(argv) or 0)
+    # consolidate_main prints its refusal (a missing or damaged checkpoint) as one line; a user mistake: exit 2
+    return 2 if consolidate_main(argv) else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -291,7 +292,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return ns.func(ns)
     except (UsageError, ConfigError) as err:
         # A ConfigError message may span lines (one per bad key); the contract is one line.
-        message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        head, rest = (lines[0] + " ", lines[1:]) if lines[0].endswith(":") and len(lines) > 1 else ("", lines)
+        message = head + "; ".join(rest)
         print(f"zerodp: error: {message}", file=sys.stderr)
         return 2
 

@@ -105,7 +105,16 @@ def _precision_of(config: dict) -> str:
 def _saved_run(resume: Path) -> dict:
     for candidate in (resume / "run.json", resume.parent / "run.json"):
         if candidate.is_file():
-            return json.loads(candidate.read_text())
+            try:
+                saved = json.loads(candidate.read_text())
+            except json.JSONDecodeError as err:
+                raise UsageError(f"{candidate}:{err.lineno}:{err.colno}: the run's saved settings are truncated or "
+                                 f"not JSON ({err.msg}); restore the file, or move it away and give the settings "
+                                 f"(--model, --seq-len, --config ...) as options") from None
+            if not isinstance(saved, dict) or not isinstance(saved.get("args", {}), dict):
+                raise UsageError(f"{candidate} does not hold a run's settings; move it away and give the settings "
+                                 f"as options")
+            return saved
     return {}
 
 
@@ -158,6 +167,9 @@ def resolve_train_args(opts: dict) -> TrainArgs:
             resolve_optimizer(None, validated.optimizer, [torch.nn.Parameter(torch.zeros(1))])
         except OptimizerError as err:
             raise UsageError(str(err)) from None
+        except (TypeError, ValueError) as err:  # torch's own checks, e.g. "Invalid learning rate: -1"
+            raise UsageError(f"the config's optimizer section ({validated.optimizer.type}) is refused by torch: "
+                             f"{err}; fix optimizer.params") from None
 
     model = pick("model", "small")
     if model not in MODEL_PRESETS:
