@@ -49,7 +49,7 @@ def launcher_log(out: Path) -> Iterator[Path]:
 def failure_line(err, log_path: Path) -> tuple[int, str]:
     """(exit code, one line) for torch's ChildFailedError; its full report is appended to `log_path`."""
     with open(log_path, "a") as log:
-        log.write(f"{err}\n")
+        log.write(f"torch's launcher report ({type(err).__name__}):\n{err}\n")
     rank, failure = err.get_first_failure()
     message = failure.message
     if isinstance(message, dict):

@@ -45,7 +45,8 @@ def previous_run(out: Path) -> list[str]:
     if not out.is_dir():
         return []
     found = [name for name in RUN_FILES if (out / name).exists()]
-    if (out / CHECKPOINTS_DIR).is_dir() and any((out / CHECKPOINTS_DIR).iterdir()):
+    # Dot files are other ranks' write probes and unfinished saves, not a run.
+    if (out / CHECKPOINTS_DIR).is_dir() and any(not p.name.startswith(".") for p in (out / CHECKPOINTS_DIR).iterdir()):
         found.append(CHECKPOINTS_DIR + "/")
     return found
 

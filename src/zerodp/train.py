@@ -342,9 +342,6 @@ def _run_worker(args: TrainArgs) -> dict:
     comm.init_distributed()
     rank, world = comm.get_rank(), comm.get_world_size()
     out = Path(args.out)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "run.json").write_text(json.dumps({"args": asdict(args)}, indent=2) + "\n")
 
     torch.manual_seed(args.seed)
     model = GPT(MODEL_PRESETS[args.model], seed=args.seed).to(_device())
@@ -359,7 +356,9 @@ def _run_worker(args: TrainArgs) -> dict:
     if resume:
         client = engine.load_checkpoint(resume, tag=tag) or {}
         start_step = int(client.get("step", engine.global_step))
-    if rank == 0:
+    if rank == 0:  # written once the checkpoint loaded: a refused resume leaves the run's settings as they were
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run.json").write_text(json.dumps({"args": asdict(args)}, indent=2) + "\n")
         print(_banner(engine, args, world, numel, base_lr)
               + (f", resumed at step {start_step}" if resume else ""), flush=True)
         if restart:
