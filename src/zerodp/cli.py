@@ -174,8 +174,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             print(f"zerodp: error: {line}", file=sys.stderr)
             return code
         except (KeyboardInterrupt, SignalException):
-            print(f"zerodp: interrupted; the newest checkpoint is in {args.out}/checkpoints (continue with "
-                  f"--resume {args.out})", file=sys.stderr)
+            from .run_folder import restart_checkpoint
+
+            saved = restart_checkpoint(Path(args.out)) is not None
+            print("zerodp: interrupted; " + (f"continue from the newest checkpoint with --resume {args.out}" if saved
+                  else "no checkpoint was saved yet (see --save-every)"), file=sys.stderr)
             return 130
     return 0
 

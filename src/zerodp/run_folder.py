@@ -17,6 +17,7 @@ plot, the sample, the launcher's log and `checkpoints/`. This module owns the ru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -68,7 +69,9 @@ def prepare(out: Path, continuing: bool, overwrite: bool) -> None:
 
 
 def check_writable(folder: Path) -> None:
-    """Create `folder` if needed and prove a file can be written there; raise RunFolderError if not."""
+    """Prove a file can be written in `folder`; raise RunFolderError if not. Leaves no trace: folders
+    it had to create for the probe are removed again (the run creates them when it writes)."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}"
@@ -77,6 +80,10 @@ def check_writable(folder: Path) -> None:
     except OSError as err:
         raise RunFolderError(f"cannot write to {folder} ({err.strerror or err}); choose a writable --out or fix "
                              f"the folder's permissions") from None
+    finally:
+        for created in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                created.rmdir()
 
 
 def restart_checkpoint(out: Path) -> Optional[Path]:
