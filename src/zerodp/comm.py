@@ -104,8 +104,8 @@ def _destroy_if_owned() -> None:
 def destroy_distributed() -> None:
     """Destroy the default process group and every group made from it (no-op when none exists).
 
-    No barrier first: a collective completes on every rank before any rank can return from it, so
-    no rank has traffic in flight at this point, and a barrier would hang if a peer had died.
+    No barrier first: at exit after a failure a peer may be dead, and a barrier would then wait for
+    the whole timeout; a rank that got here has no collective of its own left in flight.
     """
     global _created_group
     if is_initialized():
