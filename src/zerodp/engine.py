@@ -51,6 +51,8 @@ class ZeroEngine:
         self.module = model
         self.config = config
         self.process_group = process_group
+        # The engine owns the default group when zerodp created it (initialize, init_context): close() ends it.
+        self._owns_process_group = process_group is None and comm.owns_default_group()
         self.rank = comm.get_rank(process_group)
         self.world_size = comm.get_world_size(process_group)
         watchdog.configure(config.comm_timeout_s, config.zero_optimization.debug_sync, rank=self.rank)
@@ -245,11 +247,6 @@ class ZeroEngine:
         """This rank's parameter, gradient and optimizer bytes, measured and as the paper predicts."""
         return measure_memory(self)
 
-    def close(self) -> None:
-        """Release the offload tier now: its files are deleted (otherwise at garbage collection or exit)."""
-        if self.optimizer.offload is not None:
-            self.optimizer.offload.close()
-
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
@@ -267,6 +264,28 @@ class ZeroEngine:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
         self.sync_written_shards()
         return full_state_dict(self, rank0_only=rank0_only)
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what zerodp created: offload files, and the default process group if zerodp initialized it.
+
+        Idempotent. Call it (or use the engine as a context manager) when training ends; an atexit
+        hook does the same at interpreter exit (see [Note: teardown] in comm/collectives.py). The offload
+        tier's files are deleted too (otherwise at garbage collection or exit). After close() the engine
+        can no longer communicate; a process group the caller created is left alone.
+        """
+        if self.optimizer.offload is not None:
+            self.optimizer.offload.close()
+        if self._owns_process_group:
+            self._owns_process_group = False
+            comm.destroy_distributed()
+
+    def __enter__(self) -> "ZeroEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- set-up helpers --------------------------------------------------------------------------
 

@@ -67,7 +67,8 @@ def test_tag_resolution(tmp_path):
         (tmp_path / tag / fmt.META_FILE).write_text("{}")
     (tmp_path / ".tmp-step3").mkdir()  # a crashed save: not a tag
     assert fmt.available_tags(tmp_path) == ["step1", "step2"]
-    with pytest.raises(CheckpointError, match=r"no 'latest' file; pass tag= \(available tags: step1, step2\)"):
+    with pytest.raises(CheckpointError, match=r"no 'latest' file \(deleted\?\); name the checkpoint: load_checkpoint\(dir, tag=T\), or --tag T "
+                       r"with zerodp train/consolidate, for T among the available tags: step1, step2"):
         fmt.resolve_tag_dir(tmp_path)
     fmt.write_text_atomically(tmp_path / fmt.LATEST_FILE, "step2\n")
     assert fmt.resolve_tag_dir(tmp_path) == tmp_path / "step2"

@@ -231,7 +231,9 @@ def resolve_tag_dir(ckpt_dir, tag: Optional[str] = None) -> Path:
             if not tags:
                 raise CheckpointError(f"{ckpt_dir} is not a zerodp checkpoint directory: no '{LATEST_FILE}' "
                                       f"file and no <tag>/{META_FILE} inside")
-            raise CheckpointError(f"{ckpt_dir} has no '{LATEST_FILE}' file; pass tag= ({listing})")
+            raise CheckpointError(f"{ckpt_dir} has no '{LATEST_FILE}' file (deleted?); name the checkpoint: "
+                                  f"load_checkpoint(dir, tag=T), or --tag T with zerodp train/consolidate, for T "
+                                  f"among the {listing}")
         tag = latest.read_text().strip()
     validate_tag(tag)
     tag_dir = ckpt_dir / tag

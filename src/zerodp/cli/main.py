@@ -19,7 +19,7 @@ from typing import Optional
 
 from ..errors import ConfigError, UsageError
 from ..examples.gpt import MODEL_PRESETS
-from ..examples.train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STAGE, DEFAULT_STEPS
+from ..examples.train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS
 from ..memory import OPTIMIZER_STATES
 
 PAPER_MODELS = (7.5e9, 128e9, 1e12)
@@ -27,7 +27,7 @@ PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
 STAGE_NAMES = {0: "baseline DP (nothing sharded)", 1: "Pos (optimizer states)", 2: "Pos+g (+ gradients)",
                3: "Pos+g+p (+ parameters)"}
 TRAIN_OPTIONS = ("config", "stage", "nproc", "steps", "model", "micro_batch", "seq_len", "lr", "precision",
-                 "resume", "out", "log_every", "seed")
+                 "resume", "out", "log_every", "seed", "save_every", "max_restarts", "overwrite", "tag")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,6 +114,14 @@ def _add_train(sub) -> None:
                    "(its checkpoints/ is used and its run.json supplies the settings) or a checkpoints folder")
     p.add_argument("--out", metavar="DIR", help="output folder for metrics, plot, sample, summary.json and "
                    "checkpoints/ (default runs/train-<time>; with --resume of a run folder, that folder)")
+    p.add_argument("--tag", metavar="T", help="with --resume: the checkpoint to resume from, e.g. global_step200 "
+                   "(default: the one the checkpoints folder's 'latest' file names)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its metrics, "
+                   "summary and checkpoints); without it, re-using a run's folder is refused")
+    p.add_argument("--save-every", type=int, metavar="K", help=f"also save a checkpoint every K steps, keeping "
+                   f"the newest 2 (default {DEFAULT_SAVE_EVERY}; 0: only at the end)")
+    p.add_argument("--max-restarts", type=int, metavar="N", help="when a rank dies, restart every rank up to N "
+                   "times from the newest checkpoint (torch's elastic agent; default 0)")
     p.add_argument("--log-every", type=int, metavar="K", help="print a log line every K steps (default 25)")
     p.add_argument("--seed", type=int, metavar="S", help="seed of the initial weights, the data order and the "
                    "sample (default 0)")
@@ -178,17 +186,27 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from ..examples.train import launch, resolve_train_args
+    from ..examples.train import launch, resolve_train_args, under_torchrun
+    from .launch_report import failure_line, launcher_log
 
     args = resolve_train_args({k: getattr(ns, k) for k in TRAIN_OPTIONS})
-    try:
-        launch(args)
-    except ChildFailedError as err:
-        print(f"zerodp: error: a rank failed; the launcher's report follows\n{err}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, SignalException):
-        print("zerodp: interrupted", file=sys.stderr)
-        return 130
+    if under_torchrun():
+        launch(args)  # this process is a rank: torchrun reports failures itself
+        return 0
+    with launcher_log(Path(args.out)) as log_path:
+        try:
+            launch(args)
+        except ChildFailedError as err:
+            code, line = failure_line(err, log_path)
+            print(f"zerodp: error: {line}", file=sys.stderr)
+            return code
+        except (KeyboardInterrupt, SignalException):
+            from .run_folder import restart_checkpoint
+
+            saved = restart_checkpoint(Path(args.out)) is not None
+            print("zerodp: interrupted; " + (f"continue from the newest checkpoint with --resume {args.out}" if saved
+                  else "no checkpoint was saved yet (see --save-every)"), file=sys.stderr)
+            return 130
     return 0
 
 
@@ -299,7 +317,8 @@ def _cmd_consolidate(ns: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     argv = [ns.ckpt_dir, ns.out] + ([] if ns.tag is None else ["--tag", ns.tag])
-    return int(consolidate_main(argv) or 0)
+    # consolidate_main prints its refusal (a missing or damaged checkpoint) as one line; a user mistake: exit 2
+    return 2 if consolidate_main(argv) else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -310,7 +329,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return ns.func(ns)
     except (UsageError, ConfigError) as err:
         # A ConfigError message may span lines (one per bad key); the contract is one line.
-        message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        head, rest = (lines[0] + " ", lines[1:]) if lines[0].endswith(":") and len(lines) > 1 else ("", lines)
+        message = head + "; ".join(rest)
         print(f"zerodp: error: {message}", file=sys.stderr)
         return 2
 

@@ -249,20 +249,46 @@ def _format_validation_error(err: ValidationError) -> str:
 
 
 def _read_file(path: Path) -> dict:
+    """The mapping in a .json/.yaml file; any problem is a one-line ConfigError naming file:line:column."""
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist; pass a path to a .json or .yaml file, or a dict")
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text)
-    elif path.suffix == ".json":
-        data = json.loads(text)
-    else:
+    if path.suffix not in (".json", ".yaml", ".yml"):
         raise ConfigError(f"config file {path} has suffix '{path.suffix}'; use .json, .yaml or .yml")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    if not text.strip():
+        raise ConfigError(f"config file {path} is empty; write the settings into it (an empty config is "
+                          f"{{}} in JSON)")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}; fix the file at that "
+                              f"place (JSON has no trailing commas or comments, and quotes keys)") from None
+    else:
+        data = _parse_yaml(path, text)
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        raise ConfigError(f"config file {path} must hold a mapping (key: value) at the top level, not "
+                          f"{type(data).__name__}")
     return data
+
+
+def _parse_yaml(path: Path, text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        hint = "YAML indents with spaces, never tabs" if "\\t" in problem or "\t" in problem else \
+            "fix the file at that place"
+        raise ConfigError(f"{where}: invalid YAML: {problem}; {hint}") from None
 
 
 def load_config(source: Union["ZeroConfig", dict, str, Path, None], auto_values: Optional[dict] = None) -> ZeroConfig:

@@ -52,8 +52,11 @@ def read_metrics(out_dir: Path) -> list[dict]:
         return []
     by_step: dict[int, dict] = {}
     for line in path.read_text().splitlines():
-        if line.strip():
+        try:
             row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short when a rank was killed mid-write (a restarted run logs the step again)
+        if isinstance(row, dict) and "step" in row:
             by_step[row["step"]] = row
     return [by_step[s] for s in sorted(by_step)]
 

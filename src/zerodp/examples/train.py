@@ -37,6 +37,7 @@ from .. import comm
 from ..config import load_config
 from ..errors import UsageError
 from ..memory import format_bytes
+from . import run_folder
 from .corpus import ByteCorpus
 from .gpt import GPT, MODEL_PRESETS, lm_loss
 from .report import MetricsLog, format_log_line, plot_loss, read_metrics, render_summary
@@ -46,6 +47,8 @@ DEFAULT_STAGE = 3
 DEFAULT_STEPS = 600
 DEFAULT_MICRO_BATCH = 8
 DEFAULT_LR = 2e-3
+# A periodic checkpoint costs about one step of the small model; every 100 steps loses at most ~1 minute.
+DEFAULT_SAVE_EVERY = 100
 WARMUP_FRACTION = 0.05   # linear warm-up over the first 5% of steps, then cosine decay to 10% of lr
 VAL_BATCHES = 8          # micro-batches per rank for the validation loss
 SAMPLE_PROMPT = "    def __init__(self, "
@@ -69,6 +72,9 @@ class TrainArgs:
     precision: str
     config: dict            # the zerodp config, as given keys (validated)
     resume: Optional[str] = None   # the folder passed to engine.load_checkpoint
+    resume_tag: Optional[str] = None   # its tag (None: the one `latest` names)
+    save_every: int = DEFAULT_SAVE_EVERY   # checkpoint every K steps (0: only at the end)
+    max_restarts: int = 0          # the elastic agent restarts every rank this often after a failure
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,7 +103,16 @@ def _precision_of(config: dict) -> str:
 def _saved_run(resume: Path) -> dict:
     for candidate in (resume / "run.json", resume.parent / "run.json"):
         if candidate.is_file():
-            return json.loads(candidate.read_text())
+            try:
+                saved = json.loads(candidate.read_text())
+            except json.JSONDecodeError as err:
+                raise UsageError(f"{candidate}:{err.lineno}:{err.colno}: the run's saved settings are truncated or "
+                                 f"not JSON ({err.msg}); restore the file, or move it away and give the settings "
+                                 f"(--model, --seq-len, --config ...) as options") from None
+            if not isinstance(saved, dict) or not isinstance(saved.get("args", {}), dict):
+                raise UsageError(f"{candidate} does not hold a run's settings; move it away and give the settings "
+                                 f"as options")
+            return saved
     return {}
 
 
@@ -150,6 +165,9 @@ def resolve_train_args(opts: dict) -> TrainArgs:
             resolve_optimizer(None, validated.optimizer, [torch.nn.Parameter(torch.zeros(1))])
         except OptimizerError as err:
             raise UsageError(str(err)) from None
+        except (TypeError, ValueError) as err:  # torch's own checks, e.g. "Invalid learning rate: -1"
+            raise UsageError(f"the config's optimizer section ({validated.optimizer.type}) is refused by torch: "
+                             f"{err}; fix optimizer.params") from None
 
     model = pick("model", "small")
     if model not in MODEL_PRESETS:
@@ -159,8 +177,17 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     if not 1 <= seq_len <= block:
         raise UsageError(f"--seq-len {seq_len} is outside 1..{block}, the {model} model's block_size")
     steps, log_every, lr = pick("steps", DEFAULT_STEPS), pick("log_every", 25), pick("lr", DEFAULT_LR)
-    if steps < 1 or log_every < 1 or not lr > 0:
-        raise UsageError("--steps and --log-every must be at least 1 and --lr positive")
+    if steps < 1 or log_every < 1:
+        raise UsageError(f"--steps and --log-every must be at least 1, got {steps} and {log_every}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise UsageError(f"--lr must be a positive finite number, got {lr} (the default is {DEFAULT_LR:g})")
+    save_every, max_restarts = pick("save_every", DEFAULT_SAVE_EVERY), opts.get("max_restarts") or 0
+    if save_every < 0 or max_restarts < 0:
+        raise UsageError(f"--save-every and --max-restarts must be at least 0, got {save_every} and {max_restarts}")
+    if resume_dir is not None:
+        _check_resumable(resume_dir, opts.get("tag"))
+    elif opts.get("tag") is not None:
+        raise UsageError("--tag names the checkpoint to resume from; it needs --resume DIR")
 
     if opts.get("out") is not None:
         out = opts["out"]
@@ -169,10 +196,27 @@ def resolve_train_args(opts: dict) -> TrainArgs:
                   else Path(opts["resume"]).parent)
     else:  # under torchrun every rank must agree on the folder: use the shared run id
         out = f"runs/train-{os.environ.get('TORCHELASTIC_RUN_ID') or time.strftime('%Y%m%d-%H%M%S')}"
+    continuing = run_folder.restart_count() > 0 or (resume_dir is not None and Path(out).resolve() in
+                                                    (resume_dir.resolve(), resume_dir.resolve().parent))
+    try:
+        run_folder.prepare(Path(out), continuing=continuing, overwrite=bool(opts.get("overwrite")))
+    except run_folder.RunFolderError as err:
+        raise UsageError(str(err)) from None
     return TrainArgs(nproc=nproc, steps=steps, model=model, seq_len=seq_len, lr=lr, seed=pick("seed", 0),
                      log_every=log_every, out=out, precision=_precision_of(validated.model_dump()),
                      config=validated.model_dump(exclude_unset=True),
-                     resume=None if resume_dir is None else str(resume_dir))
+                     resume=None if resume_dir is None else str(resume_dir), resume_tag=opts.get("tag"),
+                     save_every=save_every, max_restarts=max_restarts)
+
+
+def _check_resumable(ckpt_dir: Path, tag: Optional[str]) -> None:
+    """Find and read the checkpoint's metadata now, so that a bad --resume/--tag is one line, not a rank failure."""
+    from .checkpoint_format import CheckpointError, read_meta, resolve_tag_dir
+
+    try:
+        read_meta(resolve_tag_dir(ckpt_dir, tag))
+    except CheckpointError as err:
+        raise UsageError(f"--resume {ckpt_dir}: {err}") from None
 
 
 def launch(args: TrainArgs) -> dict:
@@ -191,7 +235,7 @@ def launch(args: TrainArgs) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the ranks; torch reads it at import
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
                           run_id=f"zerodp-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+                          rdzv_endpoint="localhost:0", max_restarts=args.max_restarts, start_method="spawn")
     results = elastic_launch(config, run_worker)(args)
     return results.get(0, {})
 
@@ -279,7 +323,11 @@ def run_worker(args: TrainArgs) -> dict:
     """Train on this rank (the entry point each launched rank runs); returns rank 0's summary figures."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_run_worker)(args)  # record: a rank's traceback reaches the launcher's error report
+    try:
+        return record(_run_worker)(args)  # record: a rank's traceback reaches the launcher's error report
+    finally:
+        if comm.owns_default_group():
+            comm.destroy_distributed()  # before interpreter shutdown: see [Note: teardown] in comm/collectives.py
 
 
 def _run_worker(args: TrainArgs) -> dict:
@@ -291,9 +339,6 @@ def _run_worker(args: TrainArgs) -> dict:
     comm.init_distributed()
     rank, world = comm.get_rank(), comm.get_world_size()
     out = Path(args.out)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "run.json").write_text(json.dumps({"args": asdict(args)}, indent=2) + "\n")
 
     torch.manual_seed(args.seed)
     model = GPT(MODEL_PRESETS[args.model], seed=args.seed).to(_device())
@@ -302,12 +347,21 @@ def _run_worker(args: TrainArgs) -> dict:
     base_lr = engine.optimizer.param_groups[0]["lr"]  # read before a checkpoint restores a scheduled lr
     corpus = ByteCorpus.from_stdlib()
     start_step = 0
-    if args.resume:
-        client = engine.load_checkpoint(args.resume) or {}
+    resume, tag, restart = args.resume, args.resume_tag, run_folder.restart_count()
+    if restart and run_folder.restart_checkpoint(out) is not None:
+        resume, tag = str(run_folder.restart_checkpoint(out)), None  # this run's newest complete checkpoint
+    if resume:
+        client = engine.load_checkpoint(resume, tag=tag) or {}
         start_step = int(client.get("step", engine.global_step))
-    if rank == 0:
+    if rank == 0:  # written once the checkpoint loaded: a refused resume leaves the run's settings as they were
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run.json").write_text(json.dumps({"args": asdict(args)}, indent=2) + "\n")
         print(_banner(engine, args, world, numel, base_lr)
-              + (f", resumed at step {start_step}" if args.resume else ""), flush=True)
+              + (f", resumed at step {start_step}" if resume else ""), flush=True)
+        if restart:
+            print(f"zerodp train: restarted (restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}"
+                  f") after a rank failed; resuming from step {start_step}"
+                  + (f" (checkpoint {resume})" if resume else " (no checkpoint yet: from the start)"), flush=True)
     if start_step >= args.steps:
         if rank == 0:
             print(f"zerodp train: the checkpoint is at step {start_step} >= --steps {args.steps}; nothing to do "
@@ -329,6 +383,8 @@ def train_steps(engine, corpus: ByteCorpus, args: TrainArgs, start_step: int, ba
                dynamic_ncols=True, mininterval=0.5, desc="train")
     proc = psutil.Process()
     history: list[dict] = []
+    ckpt_dir = Path(args.out) / run_folder.CHECKPOINTS_DIR
+    rotation = run_folder.CheckpointRotation(ckpt_dir)
     for step in range(start_step, args.steps):
         lr = lr_at(step, args.steps, base_lr)
         for group in engine.optimizer.param_groups:
@@ -355,6 +411,12 @@ def train_steps(engine, corpus: ByteCorpus, args: TrainArgs, start_step: int, ba
             bar.update(1)
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
                 tqdm.write(format_log_line(row, args.steps))
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            # note: collective; every rank writes its shards. The final step's checkpoint is _finish's.
+            path = engine.save_checkpoint(ckpt_dir, client_state={"step": step + 1, "args": asdict(args)})
+            if rank == 0:
+                rotation.add(path)
+                tqdm.write(f"checkpoint: {path} (step {step + 1})")
     bar.close()
     if metrics is not None:
         metrics.close()
