@@ -24,6 +24,13 @@ from .config import CommsLoggerConfig, canonical_op
 
 log = logging.getLogger("zerodp")
 
+_open: list["CommsLogger"] = []  # loggers not yet closed, newest last (for deepspeed.comm.log_summary)
+
+
+def active() -> "CommsLogger | None":
+    """The newest comms logger not yet closed, or None."""
+    return _open[-1] if _open else None
+
 @dataclass
 class OpStats:
     """One row of the summary: collectives of one operation (and tag, under debug) and message size."""
@@ -57,6 +64,7 @@ class CommsLogger:
         self.stats: dict[tuple[str, int], OpStats] = {}
         self._pending: list[tuple[tuple[str, int], "comm.watchdog.Entry", str]] = []
         comm.add_observer(self, sync_device_on_wait=torch.cuda.is_available())
+        _open.append(self)
 
     # -- called by comm for every collective -------------------------------------------------------
 
@@ -113,6 +121,8 @@ class CommsLogger:
 
     def close(self) -> None:
         comm.remove_observer(self)
+        if self in _open:
+            _open.remove(self)
 
 
 def _size(nbytes: int) -> str:

@@ -109,8 +109,8 @@ class FlopsProfilerConfig(_Section):
     recompute_fwd_factor: float = Field(0.0, ge=0, le=1, description="Accepted for DeepSpeed configs; zerodp "
                                         "counts the operations that actually run, so activation recomputation "
                                         "is already included.")
-    profile_step: int = Field(1, ge=0, description="The optimizer step profiled (0 = the first; DeepSpeed's "
-                              "default 1 skips the first, warm-up step).")
+    profile_step: int = Field(1, ge=-1, description="The optimizer step profiled (0 = the first; DeepSpeed's "
+                              "default 1 skips the first, warm-up step; -1 = none, as in DeepSpeed).")
     module_depth: int = Field(-1, ge=-1, description="Deepest module level in the per-module table (-1 = all).")
     top_modules: int = Field(1, ge=1, description="Modules listed per level, largest FLOPs first.")
     detailed: bool = Field(True, description="Include the per-module table (false: totals only).")
