@@ -182,3 +182,15 @@ def test_switched_off_monitor_adds_nothing():
     assert engine.monitor.flops_profiler is None and not collectives._observers
     assert engine.comms_summary() == ""
     engine.close()
+
+
+def test_comms_logger_verbose_logs_each_collective(caplog):
+    engine = zerodp.initialize(_stack(), None, {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "train_micro_batch_size_per_gpu": 4,
+        "comms_logger": {"enabled": True, "verbose": True}})
+    with comm.record() as recorded, caplog.at_level(logging.INFO, logger="zerodp"):
+        _train(engine, 2, 4, 1)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("zerodp comm: ")]
+    assert len(lines) == len(recorded.records) > 0
+    assert all(" during global step " in line for line in lines)
+    engine.close()
