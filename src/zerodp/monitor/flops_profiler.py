@@ -6,8 +6,9 @@ global_steps) to the end of that step, every matmul, convolution and attention k
 inside its modules' forward and backward (FlopCounterMode tracks modules); work the training script
 does during the step outside the model (making a batch, a loss with a matmul) is reported apart.
 Forward FLOPs are the model's between a forward's start and its backward; the rest is backward (and
-activation recomputation, counted as it runs, which is why recompute_fwd_factor is not needed). Achieved FLOP/s = FLOPs / the step's wall time
-(first forward to the end of the optimizer step, the device synchronized at both ends).
+activation recomputation, counted as it runs, which is why recompute_fwd_factor is not needed).
+Achieved FLOP/s = FLOPs / the step's wall time (first forward to the end of the optimizer step, the
+device synchronized at both ends).
 
 For a stack of Linear layers on a batch of B rows: forward 2B*sum(in*out); backward twice that,
 less the first layer's input gradient (2B*in0*out0) when the input needs none.
