@@ -29,6 +29,7 @@ from .config.auto import resolve_auto
 from .errors import ConfigError, NonFiniteError
 from .optim.lr_schedules import build_schedule
 from .memory.report import MemoryReport, measure_memory
+from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.build import build_optimizer_offload
 from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
@@ -95,6 +96,8 @@ class ZeroEngine:
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
+        # DeepSpeed's monitoring sections (csv_monitor, tensorboard, wandb, comms_logger, flops_profiler)
+        self.monitor = Monitor.from_config(config, self.rank, self.world_size, self.train_batch_size)
         if self.rank == 0:
             for note in config._notes:  # keys that change nothing here, said once with the reason
                 log.info("zerodp config: %s", note)
@@ -109,6 +112,7 @@ class ZeroEngine:
         if self.precision.mixed:
             args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
         watchdog.activity.enter("forward")
+        self.monitor.before_forward(self.global_step)
         with self._timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -140,6 +144,7 @@ class ZeroEngine:
         # A tensor, not a Python bool: reading it would be a device sync every micro-step.
         finite = torch.isfinite(loss.detach())
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        self.monitor.on_backward(loss)
         watchdog.activity.enter("backward")
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward()
@@ -176,6 +181,7 @@ class ZeroEngine:
         if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
             self.lr_scheduler.step()
         self._maybe_log()
+        self.monitor.after_step(self.global_step, self.get_lr()[0], self.loss_scale, self.grad_norm)
 
     def _on_nonfinite(self) -> None:
         """Every rank is here together (the norm is global): name the cause, then stop or skip."""
@@ -247,6 +253,10 @@ class ZeroEngine:
         """This rank's parameter, gradient and optimizer bytes, measured and as the paper predicts."""
         return measure_memory(self)
 
+    def comms_summary(self) -> str:
+        """comms_logger's table of this rank's collectives (count, bytes, latency; logged on rank 0)."""
+        return self.monitor.comms_summary()
+
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
@@ -275,6 +285,7 @@ class ZeroEngine:
         tier's files are deleted too (otherwise at garbage collection or exit). After close() the engine
         can no longer communicate; a process group the caller created is left alone.
         """
+        self.monitor.close()  # the comms_logger summary is logged here
         if self.optimizer.offload is not None:
             self.optimizer.offload.close()
         if self._owns_process_group:

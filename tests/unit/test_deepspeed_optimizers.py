@@ -161,7 +161,7 @@ def test_auto_values_can_be_supplied_by_an_integration():
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}, "only meaningful at stage 3"),
     ({"zero_optimization": {"allgather_partitions": False}}, "allgather_partitions=false"),
     ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "same setting"),
-    ({"tensorboard": {"enabled": True}}, "TensorBoard monitor is not implemented"),
+    ({"comet": {"enabled": True}}, "Comet monitor is not implemented"),
     ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "hierarchical partitioning"),
     ({"steps_per_print": "auto"}, "'steps_per_print' is 'auto'"),
     ({"zero_optimization": {"sub_grup_size": 1}}, "did you mean 'sub_group_size'"),
@@ -180,5 +180,6 @@ def test_aliases_and_no_effect_keys():
     assert cfg.zero_optimization.stage3_max_live_parameters == 123
     assert cfg.zero_optimization.sub_group_size == 10**9  # honoured: the offload streaming window
     noted = " ".join(cfg._notes)
-    for key in ("allgather_partitions", "prescale_gradients", "tensorboard"):
+    for key in ("allgather_partitions", "prescale_gradients"):
         assert key in noted
+    assert not cfg.tensorboard.enabled  # a monitoring section: honoured (zerodp.monitor), here switched off

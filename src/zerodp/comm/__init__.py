@@ -7,13 +7,13 @@ is re-exported here.
 
 from . import watchdog
 from .collectives import (REAL_COLLECTIVES_ENV, CommLog, CommRecord, GLOO_GATHER_MESSAGE_BYTES, Handle, ProcessGroup,
-                          all_gather, all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
+                          add_observer, remove_observer, all_gather, all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
                           destroy_distributed, get_rank, get_world_size, init_distributed, is_initialized, new_group_like,
                           owns_default_group, record,
                           reduce_scatter, skips_collectives)
 
 __all__ = ["watchdog", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "GLOO_GATHER_MESSAGE_BYTES", "Handle", "ProcessGroup",
-           "all_gather", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
+           "add_observer", "remove_observer", "all_gather", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
            "destroy_distributed", "get_rank", "get_world_size", "init_distributed", "is_initialized", "new_group_like",
            "owns_default_group", "record",
            "reduce_scatter", "skips_collectives"]

@@ -189,6 +189,32 @@ class CommLog:
 
 
 _active_logs: list[CommLog] = []  # a debugging aid, not configuration: see record()
+# Observers of every collective (monitor/comms_logger.py): `issued(record, entry, skipped)` is called as each
+# is issued; its flight-recorder entry gets `done_at` when the host wait returns. Empty unless a comms_logger
+# is enabled, so the cost when off is one list check per collective.
+_observers: list = []
+# Under a comms_logger on CUDA, waits also synchronize the device so that done_at is when the collective
+# finished, not when it was queued (a sync point, only while profiling communication).
+_sync_device_on_wait = False
+
+
+def add_observer(observer, sync_device_on_wait: bool = False) -> None:
+    """Call `observer.issued(record, entry, skipped)` for every collective until `remove_observer`."""
+    global _sync_device_on_wait
+    _observers.append(observer)
+    _sync_device_on_wait = _sync_device_on_wait or sync_device_on_wait
+
+
+def remove_observer(observer) -> None:
+    global _sync_device_on_wait
+    if observer in _observers:
+        _observers.remove(observer)
+    _sync_device_on_wait = _sync_device_on_wait and bool(_observers)
+
+
+def _device_done() -> None:
+    if _sync_device_on_wait and torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
@@ -208,6 +234,12 @@ def _log(op: str, impl: str, tensor: torch.Tensor, tag: str, group: ProcessGroup
     for log in _active_logs:
         log.records.append(CommRecord(op, impl, tensor.numel(), tensor.dtype, tag))
     entry = watchdog.issue(op, tag, tensor.numel(), tensor.dtype, _group_name(group), what)
+    if _observers:
+        skipped = skips_collectives(group)
+        if skipped:
+            entry.done_at = entry.issued_at  # an identity: nothing to wait for
+        for observer in _observers:
+            observer.issued(CommRecord(op, impl, tensor.numel(), tensor.dtype, tag), entry, skipped)
     if watchdog.debug_sync_enabled() and not skips_collectives(group):
         _check_same_collective(entry, group)
     return entry
@@ -247,6 +279,7 @@ class Handle:
         if self._work is not None:
             with watchdog.waiting(self._entry):
                 self._work.wait()
+                _device_done()
         if self._then is not None:
             self._then()
         self._done = True
@@ -349,6 +382,7 @@ def _chunked_all_gather(output: torch.Tensor, input: torch.Tensor, group: Proces
         # input may alias a slice of output: the copy is sent before any row of output is written
         with watchdog.waiting(entry):
             _all_gather_single(part, input[lo:hi].clone(), group=group)
+            _device_done()
         rows[:, lo:hi].copy_(part.view(world, hi - lo))
 
 
@@ -360,6 +394,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *,
     global_src = dist.get_global_rank(group, src) if group is not None else src
     with watchdog.waiting(entry):
         dist.broadcast(tensor, src=global_src, group=group)
+        _device_done()
 
 
 def all_gather_object(obj, group: ProcessGroup = None) -> list:

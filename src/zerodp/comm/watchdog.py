@@ -70,6 +70,7 @@ class Entry:
     activity: str
     issued_at: float = field(default_factory=time.monotonic)
     state: str = "issued"   # issued | waiting | done
+    done_at: Optional[float] = None  # time.monotonic() when the host wait returned (comms_logger's latency)
 
     def describe(self) -> str:
         target = f" of {self.what}" if self.what else ""
@@ -136,6 +137,7 @@ def waiting(entry: Optional[Entry]) -> Iterator[None]:
         with _lock:
             _waits.pop(key, None)
         entry.state = "done"
+        entry.done_at = time.monotonic()
 
 
 def recent() -> list[Entry]:

@@ -153,12 +153,7 @@ NO_EFFECT: dict[str, NoEffect] = {
                                          "use torch.utils.checkpoint in the model"),
     "sparse_attention": NoEffect("configures DeepSpeed's sparse-attention modules, which only model code builds"),
     "pipeline": NoEffect("configures deepspeed.pipe.PipelineModule only"),
-    "tensorboard": _section_off("TensorBoard monitor"),
-    "wandb": _section_off("Weights & Biases monitor"),
-    "csv_monitor": _section_off("CSV monitor"),
     "comet": _section_off("Comet monitor"),
-    "comms_logger": _section_off("communication logger"),
-    "flops_profiler": _section_off("flops profiler"),
     "hybrid_engine": _section_off("hybrid (RLHF inference) engine"),
     "elasticity": _section_off("elastic training"),
     "autotuning": _section_off("autotuner"),
@@ -186,7 +181,9 @@ AUTO_AT_START = {
     "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.allgather_bucket_size",
 }
-AUTO_OFF = {"fp16.enabled", "bf16.enabled", "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
+AUTO_OFF = {"fp16.enabled", "bf16.enabled", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+            "csv_monitor.enabled", "tensorboard.enabled", "wandb.enabled", "comms_logger.enabled",
+            "flops_profiler.enabled"}
 
 
 def known_deepspeed_names() -> set[str]:
@@ -324,8 +321,8 @@ def compat_markdown(honoured: list[str], refused: Optional[dict[str, str]] = Non
     lines += [f"| `{k}` | {r.reason} |" for k, r in NO_EFFECT.items()]
     lines += ["", "**Refused** (the feature is missing in zerodp):", "", "| key | message |", "|---|---|"]
     lines += [f"| `{k}` | {m} |" for k, m in {**(refused or {}), **REFUSED}.items()]
-    lines += ["", "**`\"auto\"`**: `fp16.enabled`, `bf16.enabled` and `stage3_gather_16bit_weights_on_model_save` "
-              "'auto' mean off. Resolved when the engine starts: " + ", ".join(f"`{k}`" for k in sorted(
-                  AUTO_AT_START)) + " (see `zerodp.config_auto`); optimizer and scheduler params when they are "
-              "built. Any other 'auto', or one that cannot be resolved, is refused with the value to write."]
+    lines += ["", "**`\"auto\"`**: " + ", ".join(f"`{k}`" for k in sorted(AUTO_OFF)) + " 'auto' mean off. "
+              "Resolved when the engine starts: " + ", ".join(f"`{k}`" for k in sorted(AUTO_AT_START)) + " (see "
+              "`zerodp.config_auto`); optimizer and scheduler params when they are built. "
+              "Any other 'auto', or one that cannot be resolved, is refused with the value to write."]
     return "\n".join(lines)

@@ -24,6 +24,8 @@ from .compat import known_deepspeed_names, normalize
 from ..offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
 
 from ..errors import ConfigError
+from ..monitor.config import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig,
+                              WandbConfig)  # DeepSpeed's monitoring sections
 from .vissl import is_vissl, translate_vissl
 
 
@@ -195,7 +197,15 @@ class ZeroConfig(StrictModel):
                                        "does. stop: raise on every rank, naming the step, rank and first "
                                        "parameter; skip: skip the step on every rank with a warning. (fp16 always "
                                        "skips and lowers the loss scale.)")
-
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="DeepSpeed's CSV monitor: "
+                                          "loss, lr, loss scale and grad norm per step (see zerodp.monitor).")
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="The same events as "
+                                           "TensorBoard scalars.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="The same events logged to Weights & Biases.")
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig, description="Count, bytes and latency "
+                                            "of every collective (engine.comms_summary()).")
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig, description="FLOPs and achieved "
+                                                "FLOP/s of one optimizer step (torch.utils.flop_counter).")
 
     # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config_auto resolves.
     _notes: list[str] = PrivateAttr(default_factory=list)
