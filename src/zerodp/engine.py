@@ -29,6 +29,7 @@ from .config.auto import resolve_auto
 from .errors import ConfigError, NonFiniteError
 from .optim.lr_schedules import build_schedule
 from .memory.report import MemoryReport, measure_memory
+from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.build import build_optimizer_offload
@@ -177,6 +178,8 @@ class ZeroEngine:
         self._loss_finite = None
         self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
+        if self.stage == 3 and self.global_step % TRIM_INTERVAL_STEPS == 0:
+            release_free_memory()  # stage 3's gather/free churn leaves holes malloc keeps: see memory/trim.py
         watchdog.activity.global_step = self.global_step
         if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
             self.lr_scheduler.step()
