@@ -36,7 +36,7 @@ def test_two_nodes_then_resume_on_one_node_with_two_ranks(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id",
-                               f"zerodp-test-{port}", "--max_restarts", "0", "-m", "zerodp.train", *TINY,
+                               f"zerodp-test-{port}", "--max_restarts", "0", "-m", "zerodp", "train", *TINY,
                                "--steps", "4", "--out", str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
