@@ -10,7 +10,7 @@ import pytest
 
 from zerodp import cli
 from zerodp.memory import render_paper_table
-from zerodp.examples.train import TrainArgs
+from zerodp.examples.train_args import TrainArgs
 
 
 def run_main(capsys, *argv) -> tuple[int, str, str]:

@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     runner = STRATEGIES[args.strategy](model)
     losses, times, live_peaks, traffic = [], [], [], None
 
-    def one_step(step: int) -> None:
+    def one_step(step: int, runner=runner) -> None:  # bound here: `runner` is deleted before teardown
         tokens = synthetic_tokens(step, rank, args.micro_batch, cfg.block_size, cfg.vocab_size)
         logits = runner.forward(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))

@@ -19,7 +19,7 @@ from typing import Optional
 
 from ..errors import ConfigError, UsageError
 from ..examples.gpt import MODEL_PRESETS
-from ..examples.train import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS
+from ..examples.train_args import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS
 from ..memory import OPTIMIZER_STATES
 
 PAPER_MODELS = (7.5e9, 128e9, 1e12)
@@ -186,7 +186,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from ..examples.train import launch, resolve_train_args, under_torchrun
+    from ..examples.train import launch
+    from ..examples.train_args import resolve_train_args, under_torchrun
     from .launch_report import failure_line, launcher_log
 
     args = resolve_train_args({k: getattr(ns, k) for k in TRAIN_OPTIONS})

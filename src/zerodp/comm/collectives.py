@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import DivergenceError
 from . import watchdog
 from ..flat.layout import chunk_ranges
 
@@ -262,7 +263,7 @@ def _check_same_collective(entry: watchdog.Entry, group: ProcessGroup) -> None:
     with watchdog.waiting(entry):
         dist.all_gather_object(descriptions, entry.describe(), group=group)
     lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(descriptions))
-    raise watchdog.DivergenceError(f"debug_sync: ranks are about to issue different collectives:\n{lines}\n"
+    raise DivergenceError(f"debug_sync: ranks are about to issue different collectives:\n{lines}\n"
                                    f"Every rank must run the same modules in the same order.")
 
 

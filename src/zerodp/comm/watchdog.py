@@ -31,8 +31,6 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from ..errors import DivergenceError
-
 DEFAULT_TIMEOUT_S = 600.0
 EXIT_CODE = 3
 RECORDER_SIZE = 32

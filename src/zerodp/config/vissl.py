@@ -20,9 +20,7 @@ Unknown keys inside the sections read are errors naming the closest valid key.
 from __future__ import annotations
 
 import copy
-import difflib
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
