@@ -123,7 +123,7 @@ def test_more_ranks_than_cores_is_a_warning(monkeypatch, capsys):
 
 
 def test_options_override_config_file_and_defaults(tmp_path, monkeypatch):
-    from zerodp.examples.train import resolve_train_args
+    from zerodp.examples.train_args import resolve_train_args
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
