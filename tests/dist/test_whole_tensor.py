@@ -36,3 +36,46 @@ def test_whole_tensor_parity_fp32(dist_run, world, stage, name):
                                        msg=lambda m: f"rank {rank} {key} differs: {m}")
     init = make_gpt().state_dict()
     assert max((ref_params[k] - init[k]).abs().max().item() for k in init) > 1e-2  # it trained
+
+
+# -- resume across world sizes and stages ------------------------------------------------------------
+
+
+def save_after(ckpt_dir: str, stage: int, name: str, steps: int) -> list[float]:
+    import torch.distributed as dist
+
+    register()
+    model = make_gpt()
+    engine = zerodp.initialize(model, make_optimizers(name, model), config(stage, dist.get_world_size()))
+    losses = train(engine, 0, steps)
+    engine.save_checkpoint(ckpt_dir, tag="mid")
+    return losses
+
+
+def resume_and_finish(ckpt_dir: str, stage: int, name: str, first_step: int, steps: int):
+    import torch.distributed as dist
+
+    register()
+    model = make_gpt(seed=1)  # other weights: everything must come from the checkpoint
+    engine = zerodp.initialize(model, make_optimizers(name, model), config(stage, dist.get_world_size()))
+    engine.load_checkpoint(ckpt_dir, tag="mid")
+    return train(engine, first_step, steps), engine.full_state_dict(rank0_only=False)
+
+
+@pytest.mark.parametrize("name", ["muon", "adafactor"])
+@pytest.mark.parametrize("saved, resumed", [((3, 1), (2, 3)), ((2, 3), (3, 2))])
+def test_whole_tensor_resume_across_world_sizes(dist_run, tmp_path, saved, resumed, name):
+    """Save at (world, stage), resume at another: the optimizer state per parameter (Muon's momentum,
+    Adafactor's row/column moments and step) moves to the tensors' new owners."""
+    register()
+    ref_losses, ref_params = reference_run(name, STEPS)
+    half = STEPS // 2
+    first = dist_run(saved[0], save_after, str(tmp_path), saved[1], name, half)
+    results = dist_run(resumed[0], resume_and_finish, str(tmp_path), resumed[1], name, half, STEPS - half)
+    torch.testing.assert_close(torch.tensor(first[0]), torch.tensor(ref_losses[:half]), rtol=1e-5, atol=0)
+    for rank, (losses, params) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[half:]), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"rank {rank} losses after resume differ: {m}")
+        for key, ref in ref_params.items():
+            torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {key} differs after resume: {m}")

@@ -15,8 +15,8 @@ GPT_CONFIG = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=
 SEQ, GAS, CLIP, GLOBAL_ROWS = 8, 2, 0.5, 12  # 12 rows: micro batches of 3 at world 2, of 2 at world 3
 
 
-def make_gpt() -> GPT:
-    return GPT(GPT_CONFIG, seed=0)
+def make_gpt(seed: int = 0) -> GPT:
+    return GPT(GPT_CONFIG, seed=seed)
 
 
 def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
