@@ -78,6 +78,7 @@ class ZeroEngine:
             self.param_names.setdefault(id(p), []).append(name)
         trainable = _trainable_parameters(model)
         user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
+        self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         check_supported(user_opt, config.zero_allow_untested_optimizer)
         check_hyperparameters(user_opt.param_groups)
         groups = _optimizer_groups(model, user_opt)

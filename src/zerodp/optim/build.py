@@ -13,6 +13,7 @@ elementwise with `zero_allow_untested_optimizer: true`.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, Union
 
 import torch
@@ -173,6 +174,17 @@ def resolve_optimizer(optimizer: Union[OptimizerLike, Callable, None], section, 
         return built
     raise OptimizerError(f"optimizer must be a torch.optim.Optimizer, zerodp.optim.LARC or a callable, "
                          f"not {type(optimizer).__name__}")
+
+
+def whole_tensor_state_numel(optimizer, shape) -> int:
+    """Optimizer state elements a whole-tensor optimizer keeps for one parameter of `shape`
+    (Muon: the momentum; Adafactor: row and column moments of a matrix, a full moment of a vector;
+    a registered class: assumed one per element)."""
+    numel = math.prod(shape)
+    if isinstance(optimizer, torch.optim.Adafactor) and len(shape) >= 2:
+        batch = math.prod(shape[:-2])
+        return batch * (shape[-2] + shape[-1])
+    return numel
 
 
 def state_numel_per_param(optimizer: OptimizerLike) -> int:
