@@ -65,3 +65,14 @@ def test_a_list_of_optimizers_must_be_disjoint():
         resolve_optimizer([torch.optim.Muon([a]), torch.optim.AdamW([a, b])], None, [a, b])
     with pytest.raises(OptimizerError, match="not a torch.optim.Optimizer"):
         resolve_optimizer([torch.optim.Muon([a]), "adamw"], None, [a, b])
+
+
+def test_estimator_reports_whole_tensor_imbalance(capsys):
+    from zerodp.cli.main import main
+    from zerodp.memory import whole_tensor_shard_numel
+
+    assert whole_tensor_shard_numel([(4, 4), (4, 4), (4, 4)], 2) == 32  # two matrices on one rank: 32 vs 24
+    assert whole_tensor_shard_numel([(4, 4), (4, 4)], 2) == 16          # balanced: exactly Psi/N
+    assert main(["estimate", "--model", "tiny", "--world-size", "3", "--optimizer", "adafactor"]) == 0
+    out = capsys.readouterr().out
+    assert "whole-tensor ownership (adafactor" in out and "the fullest rank owns" in out
