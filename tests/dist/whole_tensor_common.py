@@ -56,14 +56,14 @@ def is_muon_param(name: str, p) -> bool:
 
 def make_optimizers(name: str, model):
     named = list(model.named_parameters())
-    if name in ("muon", "muon_bf16"):
-        cls = MuonFP32 if name == "muon" else torch.optim.Muon
+    if name in ("muon", "muon_fp32"):
+        cls = MuonFP32 if name == "muon_fp32" else torch.optim.Muon
         matrices = [p for n, p in named if is_muon_param(n, p)]
         rest = [p for n, p in named if not is_muon_param(n, p)]
         # The cubic Newton-Schulz coefficients (1.5, -0.5, 0) converge; torch's default quintic ones
         # amplify small singular directions ~450x over 5 steps, and with them 1e-7 summation-order noise
         # in the gradient (two correct implementations) reaches 1e-6 in the weights.
-        ns = {"ns_coefficients": (1.5, -0.5, 0.0)} if name == "muon" else {}
+        ns = {"ns_coefficients": (1.5, -0.5, 0.0)} if name == "muon_fp32" else {}
         return [cls(matrices, lr=0.05, weight_decay=0.01, momentum=0.9, **ns),
                 torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)]
     if name == "adafactor":
