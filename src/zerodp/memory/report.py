@@ -81,11 +81,12 @@ def measure_memory(engine) -> MemoryReport:
         optimizer_predicted = 0
         for u in units:
             member = user_members[u.group_index]
-            for seg in u.layout.segments(u.shard_index):
-                shape = u.layout.shapes[seg.param_index]
-                state = whole_tensor_state_numel(member, shape) if u in whole else \
-                    seg.numel * state_numel_per_param(member)
-                optimizer_predicted += master * seg.numel + 4 * state
+            if u not in whole:  # elementwise: the whole shard, padding included, as the paper's Ψ/N
+                optimizer_predicted += (master + 4 * state_numel_per_param(member)) * u.layout.shard_numel
+                continue
+            optimizer_predicted += master * u.layout.shard_numel  # a separate master copies the whole shard
+            for seg in u.layout.segments(u.shard_index):  # state: per tensor this rank owns, no padding
+                optimizer_predicted += 4 * whole_tensor_state_numel(member, u.layout.shapes[seg.param_index])
         predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
     disk = disk_predicted = 0
     if engine.optimizer.offload is not None:  # offload: the elementwise state's host part, and disk bytes
