@@ -189,6 +189,8 @@ def whole_tensor_state_numel(optimizer, shape) -> int:
 
 def state_numel_per_param(optimizer: OptimizerLike) -> int:
     """Elements of per-element optimizer state the optimizer keeps (Adam: 2 moments; SGD+momentum: 1)."""
+    if isinstance(optimizer, OptimizerList):  # an upper bound over its members
+        return max(state_numel_per_param(m) for m in optimizer.optimizers)
     inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
     d = inner.defaults
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, FusedAdam, FusedLamb)):
