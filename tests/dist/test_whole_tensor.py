@@ -27,7 +27,7 @@ def zerodp_run(stage: int, name: str) -> tuple[list[float], dict]:
 
 
 @pytest.mark.parametrize("name", ["muon_fp32", "adafactor"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [2, 3])
 def test_whole_tensor_parity_fp32(dist_run, world, stage, name):
     register()
