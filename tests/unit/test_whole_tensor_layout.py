@@ -65,6 +65,8 @@ def test_a_list_of_optimizers_must_be_disjoint():
         resolve_optimizer([torch.optim.Muon([a]), torch.optim.AdamW([a, b])], None, [a, b])
     with pytest.raises(OptimizerError, match="not a torch.optim.Optimizer"):
         resolve_optimizer([torch.optim.Muon([a]), "adamw"], None, [a, b])
+    with pytest.raises(OptimizerError, match="LAMB cannot be one of several optimizers"):
+        check_supported(resolve_optimizer([torch.optim.Muon([a]), zerodp.optim.LAMB([b])], None, [a, b]), False)
 
 
 def test_estimator_reports_whole_tensor_imbalance(capsys):

@@ -72,6 +72,10 @@ def check_supported(optimizer: OptimizerLike, allow_untested: bool) -> None:
     """Raise OptimizerError unless `optimizer` stays exact on zerodp's shards."""
     if isinstance(optimizer, OptimizerList):
         for member in optimizer.optimizers:
+            if isinstance(member, LARC) or type(member) in SHARD_AWARE:
+                # their whole-parameter norms are bound to one optimizer's shards (shard_norms.maybe_bind)
+                raise OptimizerError(f"{type(member).__name__} cannot be one of several optimizers yet; pass it "
+                                     f"alone, or use an elementwise optimizer beside Muon")
             check_supported(member, allow_untested)
         return
     inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
