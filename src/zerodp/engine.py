@@ -33,7 +33,7 @@ from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.build import build_optimizer_offload
-from .optim.build import check_supported, group_hyperparameters, resolve_optimizer
+from .optim.build import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy
 from .seams import ShardingStrategy
@@ -82,13 +82,21 @@ class ZeroEngine:
             self.param_names.setdefault(id(p), []).append(name)
         trainable = _trainable_parameters(model)
         user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
+        self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         check_supported(user_opt, config.zero_allow_untested_optimizer)
         check_hyperparameters(user_opt.param_groups)
         groups = _optimizer_groups(model, user_opt)
+        # per param group: does its optimizer read whole tensors (Muon, Adafactor)? Then each rank owns
+        # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
+        whole = [needs_whole_tensors(m) for m in members(user_opt)]
+        if any(whole) and config.zero_optimization.offload_optimizer.enabled:
+            raise ConfigError("offload_optimizer streams the step in chunks, but "
+                              f"{', '.join(sorted({type(m).__name__ for m in members(user_opt) if needs_whole_tensors(m)}))} "
+                              "reads whole tensors; remove offload_optimizer or use an elementwise optimizer")
         self._broadcast_module_state()
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
-        self.sharding: ShardingStrategy = _build_sharding(model, groups, config, process_group)
+        self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group)
         self.units = self.sharding.units
         offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
@@ -360,14 +368,15 @@ def _optimizer_groups(model: nn.Module, optimizer) -> list[list[nn.Parameter]]:
     return [sorted(g, key=lambda p: order[id(p)]) for g in groups]
 
 
-def _build_sharding(model: nn.Module, groups, config: ZeroConfig,
+def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroConfig,
                     process_group: comm.ProcessGroup) -> ShardingStrategy:
-    """The strategy for the configured stage (seams.ShardingStrategy)."""
+    """The strategy for the configured stage (seams.ShardingStrategy); `whole[g]`: group g's units
+    are laid out in whole tensors per rank."""
     zero = config.zero_optimization
     if config.stage == 3:
-        return build_stage3_sharding(model, groups, config, process_group)
+        return build_stage3_sharding(model, groups, config, process_group, whole)
     policy = ReducePolicy.for_stage(config.stage, zero.reduce_scatter)
-    buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size)
+    buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size, whole)
     return GradReducer(buckets, process_group, zero.overlap_comm, policy, zero.allgather_bucket_size)
 
 

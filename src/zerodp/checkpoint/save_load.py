@@ -179,6 +179,7 @@ class _LoadPlan:
 
     meta: dict
     units: list[tuple[torch.Tensor, dict]] = field(default_factory=list)  # per sharded unit: values, state
+    tensor_states: dict[int, dict] = field(default_factory=dict)  # master index -> per-parameter state
     module_states: dict[str, torch.Tensor] = field(default_factory=dict)
     rng: Optional[dict] = None
     client_state: dict = field(default_factory=dict)
@@ -234,6 +235,8 @@ def _prepare_load(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> _Lo
         else:
             device = cs.scalar_state_device(engine, master)
             plan.units.append(cs.assemble_master(unit, master, names, meta, files, device))
+            if unit.layout.whole_tensors:
+                plan.tensor_states[cs.master_index(engine, master)] = cs.load_tensor_states(unit, names, meta, files)
     sharded = {id(p) for unit, _ in cs.sharded_units(engine) for p in unit.params}
     live = engine.module.state_dict(keep_vars=True)
     for key, entry in current.items():
@@ -259,6 +262,9 @@ def _apply_load(engine: CheckpointEngine, plan: _LoadPlan) -> None:
             continue
         master.copy_(values)
         optimizer.load_state_of(cs.master_index(engine, master), state)
+        if unit.layout.whole_tensors:
+            optimizer.load_tensor_states_of(cs.master_index(engine, master),
+                                            plan.tensor_states[cs.master_index(engine, master)])
         if unit.param_shard.data_ptr() != master.data_ptr():
             unit.param_shard.copy_(master)  # mixed precision: the model's shard, downcast
     for user, group in cs.inner_groups(engine):

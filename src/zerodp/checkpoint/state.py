@@ -10,6 +10,12 @@ intersecting each of its segments with the saved ones (`format.overlapping`), re
 only those slices. Padding elements stay zero. Non-elementwise state (Adam's `step`) is per master
 tensor: a new master takes the value of the saved units it overlaps, which must agree (they do
 when a group's parameters step together), and a shard of padding only takes its group's value.
+
+Whole-tensor units (flat/whole_tensor_layout.py: Muon, Adafactor) keep their optimizer state per
+parameter, as torch does (Adafactor's row and column moments are neither elementwise nor scalar):
+each rank saves its owned parameters' state tensors whole, under `tensor_key("param_state.<key>",
+name, 0, 0)`, listed in its unit entry's `param_state`; a new owner reads them by parameter name,
+so they reshard across world sizes and stages like the masters.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import nn
 from . import format as fmt
 from ..errors import CheckpointError
 from ..optim.larc import LARC
+from ..optim.optimizer_list import OptimizerList
 from ..seams import CheckpointEngine
 
 
@@ -76,6 +83,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 def optimizer_class(engine: CheckpointEngine) -> tuple[str, Optional[dict]]:
     """The inner optimizer's import path, and LARC's settings when LARC wraps it (else None)."""
     opt = engine.optimizer.optimizer
+    if isinstance(opt, OptimizerList):  # its members, in order
+        return "OptimizerList[" + ",".join(f"{type(o).__module__}.{type(o).__qualname__}"
+                                           for o in opt.optimizers) + "]", None
     inner = opt.optim if isinstance(opt, LARC) else opt
     settings = opt.settings if isinstance(opt, LARC) else None
     return f"{type(inner).__module__}.{type(inner).__qualname__}", settings
@@ -111,6 +121,8 @@ def shard_payload(engine: CheckpointEngine):
         index = len(units)
         units.append({"group": unit.group_index if master is not None else -1, "state_keys": sorted(elementwise),
                       "scalars": scalars})
+        if master is not None and unit.layout.whole_tensors:
+            units[-1]["param_state"] = _save_tensor_states(engine, unit, master, names, tensors)
         for seg in unit.layout.segments(unit.shard_index):
             name = names[id(unit.params[seg.param_index])]
             sl = slice(seg.shard_start, seg.shard_start + seg.numel)
@@ -118,6 +130,44 @@ def shard_payload(engine: CheckpointEngine):
                 tensors[fmt.tensor_key(kind, name, seg.param_start, seg.param_end)] = source.detach()[sl]
             segments.append((name, seg.param_start, seg.param_end, index))
     return tensors, segments, units
+
+
+def _save_tensor_states(engine: CheckpointEngine, unit, master, names: dict, tensors: dict) -> dict:
+    """Whole-tensor unit: put each owned parameter's state tensors into `tensors`; returns the
+    unit entry's `param_state`: {name: {"tensors": [keys], "scalars": {key: encoded}}}."""
+    out = {}
+    for param_index, state in engine.optimizer.tensor_states_of(master_index(engine, master)).items():
+        name = names[id(unit.params[param_index])]
+        entry = out[name] = {"tensors": [], "scalars": {}}
+        for key, value in sorted(state.items()):
+            if torch.is_tensor(value):
+                tensors[fmt.tensor_key(f"param_state.{key}", name, 0, 0)] = value.detach().contiguous()
+                entry["tensors"].append(key)
+            else:
+                entry["scalars"][key] = encode_scalar(key, value)
+    return out
+
+
+def load_tensor_states(unit, names: dict, meta: dict, files: fmt.CheckpointFiles) -> dict[int, dict]:
+    """Whole-tensor unit: the saved optimizer state of each parameter this rank owns now, keyed by
+    its position in the unit's layout (empty where the checkpoint has none: saved before any step)."""
+    out = {}
+    for seg in unit.layout.segments(unit.shard_index):
+        name = names[id(unit.params[seg.param_index])]
+        saved = meta["segments"].get(name, [])
+        entries = [(rank, meta["units"][rank][index].get("param_state")) for rank, _, _, index in saved]
+        if any(entry is None for _, entry in entries):
+            raise CheckpointError(f"{name}: the checkpoint keeps its optimizer state per element, but this "
+                                  f"engine's optimizer reads whole tensors; use the optimizer it was saved with")
+        owners = [(rank, entry[name]) for rank, entry in entries if name in entry]
+        if not owners:
+            continue  # no state yet (saved before the first step)
+        rank, entry = owners[0]
+        reader = files.tensors(fmt.shard_file(rank, meta["world_size"]))
+        state = {k: reader.get_tensor(fmt.tensor_key(f"param_state.{k}", name, 0, 0)) for k in entry["tensors"]}
+        state.update({k: decode_scalar(v, torch.device("cpu")) for k, v in entry["scalars"].items()})
+        out[seg.param_index] = state
+    return out
 
 
 def encode_scalar(key: str, value: Any) -> dict:

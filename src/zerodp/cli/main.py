@@ -20,7 +20,7 @@ from typing import Optional
 from ..errors import ConfigError, UsageError
 from ..examples.gpt import MODEL_PRESETS
 from ..examples.train_args import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS
-from ..memory import OPTIMIZER_STATES
+from ..memory import OPTIMIZER_STATES, WHOLE_TENSOR_OPTIMIZERS
 
 PAPER_MODELS = (7.5e9, 128e9, 1e12)
 PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
@@ -275,6 +275,21 @@ def _render_model_extras(model: str, numel: int, world_size: int, precision: str
         f"  (N = {world_size}; the torch runtime itself takes a few hundred MB of RSS per process on top)"])
 
 
+def _render_whole_tensor_imbalance(model: str, numel: int, world_size: int, optimizer: str) -> str:
+    """One line: how far whole-tensor ownership puts the fullest rank above Psi/N for this model."""
+    import torch
+
+    from ..examples.gpt import GPT
+    from ..memory import whole_tensor_shard_numel
+
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        shapes = [tuple(p.shape) for p in GPT(MODEL_PRESETS[model]).parameters()]
+    fullest, fair = whole_tensor_shard_numel(shapes, world_size), -(-numel // world_size)
+    return (f"whole-tensor ownership ({optimizer}: each rank owns whole tensors, all parameters assumed in its "
+            f"groups): the fullest rank owns {fullest:,} elements vs Psi/N = {fair:,} (+{fullest / fair - 1:.1%}); "
+            f"optimizer state at stages 1-3 and collectives scale by that factor")
+
+
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     from ..memory import estimate_model_numel, render_paper_table
 
@@ -299,6 +314,8 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         print(render_offload_estimate(numel, world, precision_bytes(precision, ns.optimizer),
                                       OPTIMIZER_STATES[ns.optimizer], ns.offload, stages, ns.sub_group_size,
                                       ns.buffer_count))
+    if ns.model is not None and ns.optimizer in WHOLE_TENSOR_OPTIMIZERS:
+        print(_render_whole_tensor_imbalance(ns.model, numel, world, ns.optimizer))
     if ns.model is not None:
         block = MODEL_PRESETS[ns.model].block_size
         seq_len = ns.seq_len or block

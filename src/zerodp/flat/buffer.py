@@ -80,4 +80,9 @@ class FlatBuffer:
         """Fill the buffer from tensors in layout order; padding is zeroed."""
         for i, t in enumerate(tensors):
             self.view(i).copy_(t.detach())
-        self.tensor[self.layout.numel:].zero_()
+        self.zero_padding()
+
+    def zero_padding(self) -> None:
+        """Zero the elements that belong to no parameter (the end, or gaps between whole-tensor shards)."""
+        for lo, hi in self.layout.padding_ranges():
+            self.tensor[lo:hi].zero_()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from math import prod
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class FlatLayout:
 
     shapes: tuple[tuple[int, ...], ...]
     num_shards: int
+    # every parameter lies inside one shard (flat/whole_tensor_layout.py); here shards cut anywhere
+    whole_tensors: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -93,6 +95,10 @@ class FlatLayout:
             if start < end:
                 out.append(Segment(i, start - off, end - off, start - lo))
         return out
+
+    def padding_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) ranges of the buffer that hold no parameter (always zero)."""
+        return [(self.numel, self.padded_numel)] if self.padded_numel > self.numel else []
 
     def owners(self, param_index: int) -> list[int]:
         """Shards that hold at least one element of parameter `param_index`."""

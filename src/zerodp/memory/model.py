@@ -31,7 +31,13 @@ OPTIMIZER_STATES: dict[str, int] = {
     "sgd": 1,  # momentum buffer
     "sgd-nomomentum": 0,
     "adagrad": 1,  # sum of squares
+    # whole-tensor optimizers (each rank owns whole tensors: see whole_tensor_shard_numel)
+    "muon": 1,  # momentum buffer
+    "adafactor": 0,  # row + column moments of each matrix: (m + n) per m*n elements, ~0 per element
 }
+
+# Optimizers whose state follows whole-tensor ownership (flat/whole_tensor_layout.py) under ZeRO.
+WHOLE_TENSOR_OPTIMIZERS = ("muon", "adafactor")
 
 # precision -> (param_bytes, grad_bytes, fp32 master-copy bytes). In "fp32" the master copy is
 # the parameter itself, so it costs nothing extra.
@@ -57,6 +63,15 @@ class ModelStateBytes:
         return ModelStateBytes(
             self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer
         )
+
+
+def whole_tensor_shard_numel(shapes: Sequence[Sequence[int]], world_size: int) -> int:
+    """Elements the fullest rank owns when each rank owns whole tensors (Muon, Adafactor), balanced
+    greedily by size: at least ceil(Psi / N); the excess is the imbalance that the table's Psi/N
+    does not show (the optimizer state and, at stage 3, the parameter shard scale with it)."""
+    from ..flat.whole_tensor_layout import WholeTensorLayout
+
+    return WholeTensorLayout.of(shapes, world_size).shard_numel
 
 
 def precision_bytes(precision: str, optimizer: str = "adam") -> tuple[int, int, int]:

@@ -6,6 +6,11 @@ Predicted: `memory.predict_model_state_bytes` with Ψ = trainable elements, the 
 sizes, and K = master bytes (4 with mixed precision, 0 when the master aliases fp32 parameters) plus
 4 bytes per optimizer state element. Padding to a multiple of the world size is the only expected
 difference. Frozen parameters are reported apart: they are not in the paper's Ψ.
+
+Whole-tensor units (Muon, Adafactor: flat/whole_tensor_layout.py) break the even split: a rank
+owns whole tensors, so its optimizer bytes follow what it owns, not Ψ/N. Their optimizer prediction
+is per owned tensor (master bytes plus `whole_tensor_state_numel`), and `owned_numel` /
+`fair_numel` report this rank's elements against the even share, the imbalance of ownership.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from ..optim.build import state_numel_per_param
+from ..optim.build import members, state_numel_per_param, whole_tensor_state_numel
 from .model import ModelStateBytes, predict_model_state_bytes
 
 
@@ -33,12 +38,15 @@ class MemoryReport:
     rss_bytes: int
     disk_bytes: int = 0            # offloaded optimizer state in files (nvme)
     disk_bytes_predicted: int = 0
+    owned_numel: int = 0           # parameter elements whose optimizer state this rank holds
+    fair_numel: int = 0            # the even share: Ψ/N (Ψ at stage 0)
 
     def as_dict(self) -> dict:
         out = {"rank": self.rank, "world_size": self.world_size, "stage": self.stage, "numel": self.numel,
                "padding_numel": self.padding_numel, "frozen_param_bytes": self.frozen_param_bytes,
                "rss_bytes": self.rss_bytes, "disk_bytes": self.disk_bytes,
-               "disk_bytes_predicted": self.disk_bytes_predicted}
+               "disk_bytes_predicted": self.disk_bytes_predicted, "owned_numel": self.owned_numel,
+               "fair_numel": self.fair_numel}
         for kind in ("params", "grads", "optimizer"):
             out[f"{kind}_bytes"] = getattr(self.measured, kind)
             out[f"{kind}_bytes_predicted"] = getattr(self.predicted, kind)
@@ -61,9 +69,25 @@ def measure_memory(engine) -> MemoryReport:
     precision = engine.precision
     elem = precision.param_dtype.itemsize
     master = precision.master_dtype.itemsize if precision.mixed else 0
-    k = master + 4 * state_numel_per_param(engine.optimizer.optimizer)
+    user_members = members(engine.user_optimizer)
+    whole = [u for u in units if u.layout.whole_tensors]
+    flat_members = {id(user_members[u.group_index]): user_members[u.group_index] for u in units if u not in whole}
+    k_values = {master + 4 * state_numel_per_param(m) for m in flat_members.values()}
+    k = max(k_values) if k_values else master
     predicted = predict_model_state_bytes(numel, engine.world_size, engine.stage, param_bytes=elem,
                                           grad_bytes=elem, optimizer_bytes=k)
+    owned = sum(seg.numel for u in units for seg in u.layout.segments(u.shard_index))
+    if whole or len(k_values) > 1:  # per unit: the flat units' share, and the whole tensors this rank owns
+        optimizer_predicted = 0
+        for u in units:
+            member = user_members[u.group_index]
+            if u not in whole:  # elementwise: the whole shard, padding included, as the paper's Ψ/N
+                optimizer_predicted += (master + 4 * state_numel_per_param(member)) * u.layout.shard_numel
+                continue
+            optimizer_predicted += master * u.layout.shard_numel  # a separate master copies the whole shard
+            for seg in u.layout.segments(u.shard_index):  # state: per tensor this rank owns, no padding
+                optimizer_predicted += 4 * whole_tensor_state_numel(member, u.layout.shapes[seg.param_index])
+        predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
     disk = disk_predicted = 0
     if engine.optimizer.offload is not None:  # offload: the elementwise state's host part, and disk bytes
         from ..offload.estimate import offload_report_bytes
@@ -73,4 +97,5 @@ def measure_memory(engine) -> MemoryReport:
         disk = engine.optimizer.offload.disk_bytes()
     return MemoryReport(engine.rank, engine.world_size, engine.stage, numel, padding,
                         ModelStateBytes(params, grads, optimizer), predicted, frozen,
-                        psutil.Process().memory_info().rss, disk, int(disk_predicted))
+                        psutil.Process().memory_info().rss, disk, int(disk_predicted), owned,
+                        -(-numel // engine.world_size) if engine.stage >= 1 else numel)

@@ -7,9 +7,11 @@ from .lamb import LAMB
 from .larc import LARC
 from .fused_adam import FusedAdam
 from .fused_lamb import FusedLamb
+from .build import register_whole_tensor
+from .optimizer_list import OptimizerList
 
 # The former module path `zerodp.optimizer` stays importable (code written before the layout change).
 _sys.modules.setdefault("zerodp.optimizer", optimizer)
 setattr(_sys.modules["zerodp"], "optimizer", optimizer)
 
-__all__ = ["LARC", "LAMB", "FusedAdam", "FusedLamb"]
+__all__ = ["LARC", "LAMB", "FusedAdam", "FusedLamb", "OptimizerList", "register_whole_tensor"]

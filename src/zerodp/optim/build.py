@@ -3,13 +3,17 @@
 zerodp never steps the user's optimizer object itself: it reads its class, defaults and per-group
 hyper-parameters and builds the same optimizer over this rank's flat fp32 master shards. That is
 exact only for optimizers whose update is elementwise (each element's new value depends on that
-element alone), or that are shard-aware (LARC, LAMB: see `shard_norms`). Anything else is refused,
-unless the user asserts it is elementwise with `zero_allow_untested_optimizer: true`.
+element alone), that are shard-aware (LARC, LAMB: see `shard_norms`), or that read whole tensors
+(Muon, Adafactor, and any class passed to `register_whole_tensor`): their param groups are laid
+out so that each rank owns whole tensors (flat/whole_tensor_layout.py) and the rebuilt optimizer
+steps views shaped like the parameters. Anything else is refused, unless the user asserts it is
+elementwise with `zero_allow_untested_optimizer: true`.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, Union
 
 import torch
@@ -20,6 +24,7 @@ from .fused_lamb import FusedLamb
 from ..errors import OptimizerError
 from .lamb import LAMB
 from .larc import LARC
+from .optimizer_list import OptimizerList
 
 # Elementwise updates: exact on any flat layout. (Adafactor, LBFGS, SparseAdam, Muon are not.)
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
@@ -27,21 +32,65 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Rprop, FusedAdam)
 SHARD_AWARE = (LAMB, FusedLamb)
 
-_BY_NAME = {cls.__name__.lower(): cls for cls in ELEMENTWISE + SHARD_AWARE}
+# Updates that read a whole tensor (a matrix's orthogonalisation, row/column statistics, its RMS):
+# exact when each rank owns whole tensors. Extended by `register_whole_tensor`.
+_WHOLE_TENSOR: list[type] = [torch.optim.Muon, torch.optim.Adafactor]
 
-OptimizerLike = Union[torch.optim.Optimizer, LARC]
+_BY_NAME = {cls.__name__.lower(): cls for cls in ELEMENTWISE + SHARD_AWARE + tuple(_WHOLE_TENSOR)}
+
+OptimizerLike = Union[torch.optim.Optimizer, LARC, OptimizerList]
+
+
+def register_whole_tensor(optimizer_class: type) -> type:
+    """Declare that `optimizer_class` updates each parameter from that whole tensor alone (Shampoo-style
+    preconditioners, per-matrix orthogonalisation, factored statistics): zerodp then gives each rank
+    whole tensors of the groups it steps, so the update is exact at every stage. Usable as a decorator.
+
+    The class must step each parameter independently of the others (its state keyed by parameter,
+    as every torch.optim optimizer does); an update that mixes parameters is not made exact by this.
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise OptimizerError(f"register_whole_tensor takes a torch.optim.Optimizer subclass, not {optimizer_class!r}")
+    if optimizer_class not in _WHOLE_TENSOR:
+        _WHOLE_TENSOR.append(optimizer_class)
+    return optimizer_class
+
+
+def needs_whole_tensors(optimizer) -> bool:
+    """True for an optimizer (a member of an OptimizerList, not the list) that reads whole tensors."""
+    return type(optimizer) in _WHOLE_TENSOR
+
+
+def members(optimizer: OptimizerLike) -> list:
+    """The optimizer of each user param group (the same object for every group of one optimizer)."""
+    if isinstance(optimizer, OptimizerList):
+        return optimizer.member_of_group()
+    return [optimizer] * len(optimizer.param_groups)
 
 
 def check_supported(optimizer: OptimizerLike, allow_untested: bool) -> None:
-    """Raise OptimizerError unless `optimizer` stays exact on flat shards."""
+    """Raise OptimizerError unless `optimizer` stays exact on zerodp's shards."""
+    if isinstance(optimizer, OptimizerList):
+        for member in optimizer.optimizers:
+            if isinstance(member, LARC) or type(member) in SHARD_AWARE:
+                # their whole-parameter norms are bound to one optimizer's shards (shard_norms.maybe_bind)
+                raise OptimizerError(f"{type(member).__name__} cannot be one of several optimizers yet; pass it "
+                                     f"alone, or use an elementwise optimizer beside Muon")
+            check_supported(member, allow_untested)
+        return
     inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
-    if type(inner) in ELEMENTWISE + SHARD_AWARE or allow_untested:
+    if isinstance(optimizer, LARC) and needs_whole_tensors(inner):
+        raise OptimizerError(f"LARC around {type(inner).__name__} is not supported; use {type(inner).__name__} alone")
+    if type(inner) in ELEMENTWISE + SHARD_AWARE or needs_whole_tensors(inner) or allow_untested:
         return
     raise OptimizerError(
         f"{type(inner).__name__} is not known to be elementwise, so running it on flat shards could silently "
-        f"change its update. Supported: {', '.join(c.__name__ for c in ELEMENTWISE + SHARD_AWARE)}, and "
-        f"zerodp.optim.LARC around any of them. If its update really is per element, set "
-        f"'zero_allow_untested_optimizer': true in the config.")
+        f"change its update. Supported: {', '.join(c.__name__ for c in ELEMENTWISE + SHARD_AWARE)}, "
+        f"zerodp.optim.LARC around any of them, and whole-tensor optimizers "
+        f"({', '.join(c.__name__ for c in _WHOLE_TENSOR)}). If each parameter's update reads only that whole "
+        f"tensor (e.g. Shampoo), call zerodp.optim.register_whole_tensor({type(inner).__name__}) before "
+        f"zerodp.initialize; if its update really is per element, set 'zero_allow_untested_optimizer': true "
+        f"in the config.")
 
 
 def build_from_section(section_type: str, params: dict, model_params) -> OptimizerLike:
@@ -73,6 +122,20 @@ def group_hyperparameters(optimizer: OptimizerLike) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
+def rebuild_kept(optimizer: OptimizerLike, groups: list[dict[str, Any]], kept: list[int]) -> OptimizerLike:
+    """`rebuild` over the user groups `kept` (indices into `groups`, one per user group); an
+    OptimizerList is rebuilt member by member, each over its own kept groups."""
+    if not isinstance(optimizer, OptimizerList):
+        return rebuild(optimizer, [groups[i] for i in kept])
+    owner = optimizer.member_of_group()
+    rebuilt = []
+    for member in optimizer.optimizers:
+        mine = [groups[i] for i in kept if owner[i] is member]
+        if mine:  # a member whose parameters are all frozen steps nothing
+            rebuilt.append(rebuild(member, mine))
+    return OptimizerList(rebuilt)
+
+
 def rebuild(optimizer: OptimizerLike, param_groups: list[dict[str, Any]]) -> OptimizerLike:
     """The same optimizer (class, defaults, per-group settings, LARC wrapping) over new tensors."""
     if isinstance(optimizer, LARC):
@@ -96,6 +159,13 @@ def resolve_optimizer(optimizer: Union[OptimizerLike, Callable, None], section, 
         return build_from_section(section.type, section.params, model_params)
     if section is not None:
         raise OptimizerError("an optimizer was passed and the config also has an 'optimizer' section; keep one")
+    if isinstance(optimizer, (list, tuple)):  # several optimizers over disjoint parameters (Muon + AdamW)
+        for k, member in enumerate(optimizer):
+            if not isinstance(member, torch.optim.Optimizer):
+                raise OptimizerError(f"optimizer {k} of the list is a {type(member).__name__}, not a torch.optim."
+                                     f"Optimizer; pass built optimizers, e.g. [Muon(matrices), AdamW(rest)]")
+            resolve_optimizer(member, None, model_params)  # the same checks as one optimizer
+        return OptimizerList(optimizer)
     if isinstance(optimizer, (torch.optim.Optimizer, LARC)):
         if len(optimizer.state) and any(len(s) for s in optimizer.state.values()):
             raise OptimizerError("the optimizer already has state (it has stepped); pass a fresh optimizer, or "
@@ -110,8 +180,21 @@ def resolve_optimizer(optimizer: Union[OptimizerLike, Callable, None], section, 
                          f"not {type(optimizer).__name__}")
 
 
+def whole_tensor_state_numel(optimizer, shape) -> int:
+    """Optimizer state elements a whole-tensor optimizer keeps for one parameter of `shape`
+    (Muon: the momentum; Adafactor: row and column moments of a matrix, a full moment of a vector;
+    a registered class: assumed one per element)."""
+    numel = math.prod(shape)
+    if isinstance(optimizer, torch.optim.Adafactor) and len(shape) >= 2:
+        batch = math.prod(shape[:-2])
+        return batch * (shape[-2] + shape[-1])
+    return numel
+
+
 def state_numel_per_param(optimizer: OptimizerLike) -> int:
     """Elements of per-element optimizer state the optimizer keeps (Adam: 2 moments; SGD+momentum: 1)."""
+    if isinstance(optimizer, OptimizerList):  # an upper bound over its members
+        return max(state_numel_per_param(m) for m in optimizer.optimizers)
     inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
     d = inner.defaults
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, FusedAdam, FusedLamb)):

@@ -15,6 +15,13 @@ one thread: 0.19 s as one tensor, 0.094 s per parameter, 0.056 s in 1 MiB chunks
 outside this class sees one flat master per unit: `state_of` / `load_state_of` present and accept
 the optimizer state in those terms.
 
+[Note: whole-tensor units] A unit laid out by `flat.whole_tensor_layout.WholeTensorLayout` (its
+group's optimizer reads whole tensors: Muon, Adafactor) is not cut into chunks: the inner
+optimizer sees one view per parameter this rank owns, shaped like the parameter, so the user's
+optimizer runs on exactly what it would see in one process. A parameter that got no gradient keeps
+`.grad = None` and torch skips it, as it would unsharded. Its state is per parameter (Adafactor's
+row and column moments are neither elementwise nor scalar): `tensor_states_of` presents it so.
+
 One step, in order (every rank runs the same collectives):
   1. fp16: any inf/nan in any rank's gradient shard skips the step on every rank (one flag all-reduce).
   2. unscale; global gradient norm = sqrt(sum over ranks of local squares): the unsharded model's norm.
@@ -38,7 +45,7 @@ import torch
 from .. import comm
 from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
-from .build import rebuild
+from .build import rebuild_kept
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
 
 
@@ -72,18 +79,30 @@ class ShardedOptimizer:
                 self.masters.append(unit.param_shard.detach().to(precision.master_dtype).clone())
             else:
                 self.masters.append(unit.param_shard)  # alias: updating the master updates the model
-        self.chunks = [list(master.split(self.chunk_numel)) for master in self.masters]
+        self.whole = [unit.layout.whole_tensors for unit in units]  # see [Note: whole-tensor units]
+        self.chunks = [self._split(unit, master) for unit, master in zip(units, self.masters)]
         groups = [dict(settings, params=[]) for settings in group_settings]
         for unit, chunks in zip(units, self.chunks):
             groups[unit.group_index]["params"].extend(chunks)
-        # the user's group index of each inner group (groups without trainable parameters are dropped)
-        self.group_indices = [i for i, g in enumerate(groups) if g["params"]]
-        self.optimizer = rebuild(user_optimizer, [g for g in groups if g["params"]])
-        self._bind_shard_layout()
+        # The user's group index of each inner group. Groups without trainable parameters are dropped;
+        # a whole-tensor group is kept where this rank owns none of its tensors, so every rank has the
+        # same groups (the same schedule, get_lr and checkpointed hyper-parameters).
+        self.group_indices = sorted({unit.group_index for unit in units})
+        self.optimizer = rebuild_kept(user_optimizer, groups, self.group_indices)
+        if getattr(self.optimizer, "shard_norms", None) is not None:
+            self._bind_shard_layout()
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
             offload.attach(self.optimizer, self.chunks)
         self.last_grad_norm: Optional[float] = None
         self.last_step_skipped = False
+
+    def _split(self, unit: ShardedUnit, master: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors the inner optimizer steps for one unit: chunks, or whole parameters."""
+        if not unit.layout.whole_tensors:
+            return list(master.split(self.chunk_numel))
+        # the owned parameters are packed from the shard's start (whole_tensor_layout.py)
+        return [master[s.shard_start:s.shard_start + s.numel].view(unit.layout.shapes[s.param_index])
+                for s in unit.layout.segments(unit.shard_index)]
 
     def _bind_shard_layout(self) -> None:
         segments, slot = {}, 0
@@ -118,6 +137,8 @@ class ShardedOptimizer:
             return self._state_of(index)
 
     def _state_of(self, index: int) -> dict:
+        if self.whole[index]:
+            return {}  # per parameter, not per element: tensor_states_of
         states = [self.optimizer.state.get(c, {}) for c in self.chunks[index]]
         if not states[0]:
             return {}
@@ -128,6 +149,23 @@ class ShardedOptimizer:
             else:
                 out[key] = value.clone() if torch.is_tensor(value) else value
         return out
+
+    def tensor_states_of(self, index: int) -> dict[int, dict]:
+        """Whole-tensor unit `index`: each owned parameter's optimizer state (copies), keyed by its
+        position in the unit's layout, exactly as torch keeps it for that parameter."""
+        out = {}
+        for seg, chunk in zip(self.units[index].layout.segments(self.units[index].shard_index), self.chunks[index]):
+            state = self.optimizer.state.get(chunk, {})
+            out[seg.param_index] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        return out
+
+    def load_tensor_states_of(self, index: int, states: dict[int, dict]) -> None:
+        """Replace the per-parameter state of whole-tensor unit `index` (the form `tensor_states_of` returns)."""
+        for seg, chunk in zip(self.units[index].layout.segments(self.units[index].shard_index), self.chunks[index]):
+            self.optimizer.state.pop(chunk, None)
+            if states.get(seg.param_index):
+                self.optimizer.state[chunk] = {k: v.to(chunk.device) if torch.is_tensor(v) and v.dim() > 0 else v
+                                               for k, v in states[seg.param_index].items()}
 
     def load_state_of(self, index: int, state: dict) -> None:
         """Replace master `index`'s optimizer state with `state` (the form `state_of` returns)."""
@@ -146,6 +184,8 @@ class ShardedOptimizer:
     def scalar_state_device(self, index: int) -> torch.device:
         """Where torch keeps master `index`'s scalar state tensors such as `step`: on the parameter's
         device for capturable or fused optimizers, on the CPU otherwise (torch's own load_state_dict rule)."""
+        if not self.chunks[index]:
+            return torch.device("cpu")
         first_chunk = self.chunks[index][0]
         for group in self.optimizer.param_groups:
             if any(p is first_chunk for p in group["params"]):
@@ -208,9 +248,16 @@ class ShardedOptimizer:
             if coef < 1.0:
                 for g in grads:
                     g.mul_(coef)
-        for chunks, g in zip(self.chunks, grads):
-            for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
-                chunk.grad = g_chunk
+        offset = 0
+        for unit, chunks, g, whole in zip(self.units, self.chunks, grads, self.whole):
+            if not whole:
+                for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
+                    chunk.grad = g_chunk
+            else:  # shaped like the parameter; None where no rank produced a gradient (torch skips it)
+                for seg, chunk in zip(unit.layout.segments(unit.shard_index), chunks):
+                    got = received is None or bool(received[offset + seg.param_index])
+                    chunk.grad = g[seg.shard_start:seg.shard_start + seg.numel].view(chunk.shape) if got else None
+            offset += len(unit.layout.shapes)
         if self.offload is None:
             self._step_chunks(received, None)
         else:  # offload: the state streams through the step, one window of chunks at a time
@@ -252,8 +299,8 @@ class ShardedOptimizer:
             n = len(unit.layout.shapes)
             flags = received[offset:offset + n]
             offset += n
-            if bool(flags.all()):
-                continue
+            if bool(flags.all()) or self.whole[index]:
+                continue  # whole tensors: the parameter's .grad is None, torch skips it
             for seg in unit.layout.segments(unit.shard_index):
                 if flags[seg.param_index]:
                     continue

@@ -8,6 +8,8 @@ and the shared `Schedule` to module units, all of them to the strategy.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from .. import comm
@@ -22,11 +24,13 @@ from .wrap import choose_unit_modules, plan_units
 
 
 def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], config: ZeroConfig,
-                          process_group: comm.ProcessGroup) -> Stage3Sharding:
+                          process_group: comm.ProcessGroup, whole: Optional[list[bool]] = None) -> Stage3Sharding:
     """Partition `model`'s parameters into units and hook its modules (see the module docstring).
 
-    `groups` are the optimizer's param groups, trainable parameters only, in model order.
+    `groups` are the optimizer's param groups, trainable parameters only, in model order; `whole[g]`:
+    group g's units give each rank whole tensors (flat/whole_tensor_layout.py).
     """
+    whole = whole or [False] * len(groups)
     zero = config.zero_optimization
     params = list(model.parameters())
     if not params:
@@ -52,7 +56,8 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
         owned = []
         for (group_index, persistent, _, _), (ps, ns) in buckets.items():
             flat = FlatUnit(ps, ns, group_index, shards, index=len(flats), module_name=plan.name or "<root>",
-                            trainable=group_index >= 0, persistent=persistent)
+                            trainable=group_index >= 0, persistent=persistent,
+                            whole_tensors=group_index >= 0 and whole[group_index])
             flats.append(flat)
             owned.append(flat)
         if owned or plan.module is model:

@@ -1,6 +1,6 @@
 """One flat unit of stage 3: the parameters of one module unit and one optimizer group, sharded.
 
-A `FlatUnit` lays its parameters out in a padded flat buffer (`partition.FlatLayout`) and keeps
+A `FlatUnit` lays its parameters out in a padded flat buffer (`flat.layout.FlatLayout`, or `WholeTensorLayout` for whole-tensor optimizers) and keeps
 only this rank's slice persistently:
 
     param_shard  shard_numel elements, param dtype   the real storage of this rank's parameters
@@ -37,7 +37,7 @@ from torch import nn
 from .. import comm
 from ..flat.buffer import FlatBuffer, free_storage
 from ..flat.grad_shard import GradShard
-from ..flat.layout import FlatLayout
+from ..flat.whole_tensor_layout import layout_of
 from .params import owner_of, set_partitioned
 from .shard_group import ShardGroup
 
@@ -52,7 +52,8 @@ class FlatUnit:
     """The parameters of one (module unit, optimizer group) pair, flat and sharded over `shards`."""
 
     def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int, shards: ShardGroup, *,
-                 index: int, module_name: str, trainable: bool, persistent: bool) -> None:
+                 index: int, module_name: str, trainable: bool, persistent: bool,
+                 whole_tensors: bool = False) -> None:
         if not params:
             raise ValueError("a FlatUnit needs at least one parameter")
         self.params = params
@@ -63,7 +64,7 @@ class FlatUnit:
         self.module_name = module_name   # the module unit whose forward gathers this unit
         self.trainable = trainable
         self.persistent = persistent
-        self.layout = FlatLayout.of([p.shape for p in params], shards.world)
+        self.layout = layout_of([p.shape for p in params], shards.world, whole_tensors)
         self.shard_index = shards.rank
         first = params[0]
         dtype, device = first.dtype, first.device
@@ -74,7 +75,7 @@ class FlatUnit:
                 source.gather_into(self.gathered.view(i))
             else:
                 self.gathered.view(i).copy_(p.detach())
-        self.gathered.tensor[self.layout.numel:].zero_()
+        self.gathered.zero_padding()
         self._classes = [type(p) for p in params]
         own = self.gathered.shard(self.shard_index)
         # A persistent unit's shard is a view of its always-gathered buffer; otherwise the shard is its
