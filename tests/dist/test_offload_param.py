@@ -107,3 +107,38 @@ def test_checkpoint_resumes_across_param_offload_exactly(dist_run, tmp_path, wor
         assert r["resumed"] == r["uninterrupted"], f"rank {rank}: losses differ after resume"
         assert r["same"], f"rank {rank}: parameters differ after resume"
     assert list(nvme.iterdir()) == []
+
+
+def built_offloaded(nvme_dir: str) -> dict:
+    """zerodp.init_context with offload_param: each slice is written to its file as it is made."""
+    cfg = make_config(nvme_dir, 40, 2, with_optimizer=True)
+    with zerodp.init_context(cfg):
+        model = make_model()
+    from zerodp.stage3.params import owner_of
+
+    records = [owner_of(p) for p in model.parameters() if owner_of(p) is not None]
+    home = records[0].ctx.param_home
+    facts = {"slices": len(home.entries), "partitioned": len(records),
+             "resident_numel": home.resident_numel, "max_in_cpu": home.max_in_cpu,
+             "files": len(list(home.rank_dir.path.glob("param*.bin")))}
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), cfg)
+    facts["init_files_removed"] = home.closed and not home.rank_dir.path.exists()
+    losses = train_steps(engine, STEPS, MICRO_BS)
+    params = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    plain = run(make_config(nvme_dir, None, 2, False), "adamw")
+    return {"facts": facts, "losses": losses, "params": params, "plain": plain}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_init_context_creates_shards_in_their_offloaded_home(dist_run, tmp_path, world):
+    for rank, r in enumerate(dist_run(world, built_offloaded, str(tmp_path))):
+        facts = r["facts"]
+        assert facts["partitioned"] >= 4 and facts["slices"] == facts["partitioned"] == facts["files"]
+        assert facts["resident_numel"] <= facts["max_in_cpu"], "slices beyond max_in_cpu stayed in memory"
+        assert facts["init_files_removed"], "the init-time files outlive the hand-over to the engine"
+        plain_losses, plain_params, _ = r["plain"]
+        assert r["losses"] == plain_losses, f"rank {rank}: losses differ"
+        for name, value in plain_params.items():
+            assert torch.equal(r["params"][name], value), f"rank {rank}: {name} differs"
+    assert list(tmp_path.iterdir()) == []

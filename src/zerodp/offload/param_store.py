@@ -97,6 +97,7 @@ class ParamShardStore:
         self.read_wait_s = 0.0         # time spent blocked on reads / writes (the bench's NVMe split)
         self.write_wait_s = 0.0
         self.closed = False
+        self._adopted = 0              # shards ever adopted (names their files)
 
     # -- adoption ------------------------------------------------------------------------------
 
@@ -107,7 +108,8 @@ class ParamShardStore:
         """Take over `shard` (resident now, its values final): write it to its backing store, then
         keep it cached only while there is room."""
         assert id(shard) not in self.entries
-        index = len(self.entries)
+        index = self._adopted
+        self._adopted += 1
         if self.rank_dir is not None:
             backing = FileStore(self.rank_dir, shard.numel(), self.io, prefix=f"param{index}.")
         else:
@@ -119,6 +121,21 @@ class ParamShardStore:
         self.lru[id(shard)] = None
         entry.dirty = True
         self._make_room(0, protect=())
+
+    def discard(self, shard: torch.Tensor) -> None:
+        """Forget `shard` (its values are no longer needed here): its file goes, its memory stays as it is."""
+        entry = self.entries.pop(id(shard), None)
+        if entry is None:
+            return
+        assert entry.users == 0, f"discarding parameter shard {entry.index} while it is held"
+        if entry.state in (ShardHome.READING, ShardHome.WRITING):
+            entry.handle.wait()
+        if entry.state is not ShardHome.OFFLOADED:
+            self.resident_numel -= entry.numel
+        self.lru.pop(id(shard), None)
+        entry.backing.close()
+        if self.rank_dir is not None:
+            self.rank_dir.path_of(f"param{entry.index}.values.bin").unlink(missing_ok=True)
 
     # -- the three calls ------------------------------------------------------------------------
 
