@@ -123,7 +123,7 @@ class ParamShardStore:
         self._make_room(0, protect=())
 
     def discard(self, shard: torch.Tensor) -> None:
-        """Forget `shard` (its values are no longer needed here): its file goes, its memory stays as it is."""
+        """Forget `shard`, whose values are no longer needed: its file and its memory go."""
         entry = self.entries.pop(id(shard), None)
         if entry is None:
             return
@@ -132,6 +132,8 @@ class ParamShardStore:
             entry.handle.wait()
         if entry.state is not ShardHome.OFFLOADED:
             self.resident_numel -= entry.numel
+            if entry.shard.untyped_storage().resizable():
+                free_storage(entry.shard)
         self.lru.pop(id(shard), None)
         entry.backing.close()
         if self.rank_dir is not None:
