@@ -120,7 +120,8 @@ class ParamShardStore:
         self._count(entry.numel)
         self.lru[id(shard)] = None
         entry.dirty = True
-        self._make_room(0, protect=())
+        if not self._make_room(0, protect=(id(shard),)):  # older shards go first
+            self._make_room(0, protect=())
 
     def discard(self, shard: torch.Tensor) -> None:
         """Forget `shard`, whose values are no longer needed: its file and its memory go."""
@@ -308,7 +309,8 @@ class ParamShardStore:
                 seen.add(key)
                 continue
             seen.add(key)
-            if not self._make_room(entry.numel, protect=set(upcoming)):
+            # room may come from shards needed later than this one, never from nearer ones
+            if not self._make_room(entry.numel, protect=seen):
                 return
             self._start_read(entry)
             self.lru[key] = None
