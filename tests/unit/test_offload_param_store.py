@@ -89,3 +89,17 @@ def test_discard_frees_the_shard_and_its_file(tmp_path):
     store.discard(a)
     assert not path.exists() and a.untyped_storage().size() == 0 and store.resident_numel == 0
     store.close()
+
+
+def test_deepspeed_zero_init_remote_device_must_match_the_config(tmp_path):
+    import pytest
+
+    from zerodp.config import ConfigError
+    from zerodp.deepspeed.zero import Init
+
+    stage3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with pytest.raises(ConfigError, match="offload_param.device is 'none'"):
+        Init(config_dict_or_path=stage3, remote_device="nvme")
+    offloaded = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    assert Init(config_dict_or_path=offloaded, remote_device="nvme").config.zero_optimization.offload_param.enabled
