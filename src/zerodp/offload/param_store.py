@@ -280,6 +280,11 @@ class ParamShardStore:
             if victim is not None:
                 self._evict(victim)
                 continue
+            unused = next((e for e in self.entries.values() if e.state is ShardHome.READING and e.users == 0
+                           and id(e.shard) not in protect), None)
+            if unused is not None:  # a read-ahead nobody used (yet): finish it, then it can be evicted
+                self._settle(unused)
+                continue
             if not self._reap(wait=True):
                 return False
         return True
