@@ -98,10 +98,13 @@ class ZeroEngine:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group)
         self.units = self.sharding.units
+        # offload_param (stage 3): the offload.ParamShardStore holding the parameter shards, or None
+        self.param_home = getattr(self.sharding, "param_home", None)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
-            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload)
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
+            param_home=self.param_home)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -183,6 +186,8 @@ class ZeroEngine:
                 self.sharding.after_step()  # re-assemble full parameters from the updated shards
             for unit in self.units:
                 unit.zero_grad()
+        if self.param_home is not None:
+            self.param_home.end_step()  # this step's shard order predicts the next (offload read-ahead)
         self._loss_finite = None
         self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
@@ -268,23 +273,32 @@ class ZeroEngine:
         """comms_logger's table of this rank's collectives (count, bytes, latency; logged on rank 0)."""
         return self.monitor.comms_summary()
 
+    def _params_resident(self, dirty: bool = False):
+        """offload_param: every parameter shard in memory for a block (checkpoints read them all at once)."""
+        if self.param_home is None:
+            return contextlib.nullcontext()
+        return self.param_home.all_resident(dirty=dirty)
+
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
         """Every rank writes its own shards under save_dir/tag; returns the checkpoint's path."""
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        with self._params_resident():
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None) -> dict:
         """Resume from a checkpoint (any world size or stage); returns the saved client_state."""
         watchdog.activity.enter("checkpoint")
-        return load_checkpoint(self, load_dir, tag=tag)
+        with self._params_resident(dirty=True):
+            return load_checkpoint(self, load_dir, tag=tag)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
         self.sync_written_shards()
-        return full_state_dict(self, rank0_only=rank0_only)
+        with self._params_resident():
+            return full_state_dict(self, rank0_only=rank0_only)
 
     # -- teardown -------------------------------------------------------------------------------
 
@@ -299,6 +313,8 @@ class ZeroEngine:
         self.monitor.close()  # the comms_logger summary is logged here
         if self.optimizer.offload is not None:
             self.optimizer.offload.close()
+        if self.param_home is not None:  # the parameter files too: the engine cannot train after this
+            self.param_home.close()
         if self._owns_process_group:
             self._owns_process_group = False
             comm.destroy_distributed()

@@ -8,7 +8,11 @@ is on disk:
 the test asserts that the RSS held per rank (after malloc_trim, sampled after forward, backward and
 step) grows by less than BOUND (1/8 of the model states) over training, that the same run without
 offload grows by more than twice BOUND (so the bound discriminates), and reports the disk bytes.
-Parameter offload (offload_param) is not implemented yet: the parameter shards stay in memory.
+
+With parameter offload as well (offload_param nvme, max_in_cpu 2 units), the parameter shards live in
+files from the moment init_context makes them: the second test measures RSS growth from *before the
+model is built* and asserts it stays under PARAM_BOUND (model states are 4.2x that bound), while the same
+build and training with optimizer offload only (parameter shards in memory) exceeds it.
 """
 
 from __future__ import annotations
@@ -41,11 +45,17 @@ def _trim() -> int:
     return psutil.Process().memory_info().rss
 
 
-def config(nvme_dir: str, offload: bool) -> dict:
+PARAM_BOUND = 112 * 2**20
+
+
+def config(nvme_dir: str, offload: bool, offload_param: bool = False) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 10_000, "sub_group_size": 1 << 18,
             "stage3_prefetch_bucket_size": WIDTH * WIDTH, "stage3_max_live_parameters": 3 * WIDTH * WIDTH}
     if offload:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 3}
+    if offload_param:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 3,
+                                 "max_in_cpu": 2 * WIDTH * WIDTH}
     return {"train_micro_batch_size_per_gpu": MICRO_BS, "zero_optimization": zero}
 
 
@@ -105,4 +115,58 @@ def test_nvme_optimizer_offload_bounds_rss_growth(dist_run, tmp_path, world):
         assert shard * 8 <= disk <= (shard + 1024) * 8  # Adam's two fp32 moments of this rank's shard
         assert disk == r["report"]["disk_bytes_predicted"] or abs(disk - r["report"]["disk_bytes_predicted"]) < 8 * 1024
         assert r["losses"] == p["losses"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def rss_growth_from_start(nvme_dir: str, offload_param: bool) -> dict:
+    """RSS growth over building (init_context) and training, both offloads or optimizer offload only."""
+    cfg = config(nvme_dir, True, offload_param)
+    _warm_up(cfg)
+    start = _trim()
+    with zerodp.init_context(cfg):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+    built = _trim() - start
+    numel = sum(p.numel() for p in model.parameters())
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    peak, losses = max(built, _trim() - start), []
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(STEPS):
+        x = torch.randn(MICRO_BS, WIDTH, generator=g)
+        loss = F.mse_loss(engine(x), x)
+        peak = max(peak, _trim() - start)
+        engine.backward(loss)
+        peak = max(peak, _trim() - start)
+        engine.step()
+        losses.append(loss.item())
+        peak = max(peak, _trim() - start)
+    report = engine.memory_report().as_dict()
+    engine.close()
+    del engine, model
+    _trim()
+    return {"growth": peak, "built": built, "numel": numel, "report": report, "losses": losses}
+
+
+@pytest.mark.parametrize("world", [2])
+def test_nvme_param_and_optimizer_offload_bound_rss_growth(dist_run, tmp_path, world):
+    both = dist_run(world, rss_growth_from_start, str(tmp_path), True, timeout=120)
+    optimizer_only = dist_run(world, rss_growth_from_start, str(tmp_path), False, timeout=120)
+    numel = both[0]["numel"]
+    model_states = 16 * numel
+    assert model_states >= 4 * PARAM_BOUND
+    for rank, (o, r) in enumerate(zip(optimizer_only, both)):
+        disk = r["report"]["disk_bytes"]
+        print(f"rank {rank}: RSS growth {r['growth'] / 2**20:.1f} MiB (built {r['built'] / 2**20:.1f} MiB) with "
+              f"nvme offload of optimizer and parameters, {o['growth'] / 2**20:.1f} MiB with optimizer offload only; "
+              f"bound {PARAM_BOUND / 2**20:.0f} MiB; model states {model_states / 2**20:.0f} MiB; disk {disk} bytes "
+              f"(predicted {r['report']['disk_bytes_predicted']}); held: params {r['report']['params_bytes']}, grads "
+              f"{r['report']['grads_bytes']}, optimizer {r['report']['optimizer_bytes']} bytes")
+        assert r["growth"] < PARAM_BOUND, f"rank {rank}: RSS grew {r['growth'] / 2**20:.1f} MiB with both offloads"
+        assert o["growth"] > PARAM_BOUND, f"rank {rank}: the bound does not discriminate ({o['growth'] / 2**20:.1f} MiB)"
+        shard = -(-numel // world)
+        # Adam's two moments of the shard and its fp32 parameters (biases are persistent units: not offloaded)
+        assert (shard - DEPTH * WIDTH) * 12 <= disk <= (shard + 4096) * 12
+        assert abs(disk - r["report"]["disk_bytes_predicted"]) <= 4 * DEPTH * WIDTH  # the persistent biases
+        assert r["report"]["params_bytes"] <= 4 * (2 * WIDTH * WIDTH + DEPTH * WIDTH)  # max_in_cpu + persistent biases
+        assert r["losses"] == o["losses"]
     assert list(tmp_path.iterdir()) == []

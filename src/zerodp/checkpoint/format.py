@@ -45,6 +45,7 @@ meta.json (a JSON object):
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import json
@@ -134,7 +135,10 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor],
             if t.numel():
                 # one tensor at a time reaches the CPU, so a GPU shard is never copied whole
                 flat = t.detach().reshape(-1).contiguous().cpu()
-                out.write(memoryview(flat.view(torch.uint8).numpy()))
+                # through ctypes, not .numpy(): a numpy export makes the storage non-resizable for good, and
+                # offloaded parameter shards free and re-attach theirs (offload/param_store.py)
+                out.write(memoryview((ctypes.c_char * (flat.numel() * flat.element_size()))
+                                     .from_address(flat.data_ptr())))
     finally:
         digest = out.close()
     return digest

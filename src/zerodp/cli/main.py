@@ -155,6 +155,10 @@ def _add_estimate(sub) -> None:
                    "states per parameter: adam/adamw/lamb 2, sgd/adagrad 1, sgd-nomomentum 0 (default adam)")
     p.add_argument("--offload", choices=("cpu", "nvme"), help="also print where an offloaded run keeps its "
                    "model states per rank: device, host and disk bytes (offload_optimizer.device)")
+    p.add_argument("--offload-param", choices=("cpu", "nvme"), help="stage 3: also offload the parameter shards "
+                   "(offload_param.device); prints the same device/host/disk table")
+    p.add_argument("--max-in-cpu", type=float, default=1e9, metavar="M", help="with --offload-param nvme: "
+                   "parameter elements cached in host memory (offload_param.max_in_cpu, default 1e9)")
     p.add_argument("--sub-group-size", type=float, default=1e9, metavar="W", help="with --offload nvme: "
                    "elements per streamed window (zero_optimization.sub_group_size, default 1e9)")
     p.add_argument("--buffer-count", type=int, default=4, metavar="B", help="with --offload nvme: I/O buffers "
@@ -307,13 +311,14 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         raise UsageError(f"--world-size must be at least 1, got {world}")
     stages = (0, 1, 2, 3) if ns.stage is None else (ns.stage,)
     print(render_estimate(numel, world, precision, ns.optimizer, stages))
-    if ns.offload is not None:
+    if ns.offload is not None or ns.offload_param is not None:
         from ..memory import OPTIMIZER_STATES, precision_bytes
         from ..offload.estimate import render_offload_estimate
 
         print(render_offload_estimate(numel, world, precision_bytes(precision, ns.optimizer),
-                                      OPTIMIZER_STATES[ns.optimizer], ns.offload, stages, ns.sub_group_size,
-                                      ns.buffer_count))
+                                      OPTIMIZER_STATES[ns.optimizer], ns.offload or "none", stages,
+                                      ns.sub_group_size, ns.buffer_count, ns.offload_param or "none",
+                                      ns.max_in_cpu))
     if ns.model is not None and ns.optimizer in WHOLE_TENSOR_OPTIMIZERS:
         print(_render_whole_tensor_imbalance(ns.model, numel, world, ns.optimizer))
     if ns.model is not None:

@@ -3,6 +3,7 @@ rank must call them for the same parameter (they gather the shards)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -36,7 +37,9 @@ def _whole(engine, unit, flat_shard: torch.Tensor, k: int) -> torch.Tensor:
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The parameter's whole fp32 (master) value, on CPU."""
     engine, unit, master, k = _locate(param)
-    return _whole(engine, unit, master if master is not None else unit.param_shard, k)
+    home = getattr(engine, "param_home", None)  # offload_param: the shard is in memory only while held
+    with contextlib.nullcontext() if home is None else home.resident([unit.param_shard]):
+        return _whole(engine, unit, master if master is not None else unit.param_shard, k)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:

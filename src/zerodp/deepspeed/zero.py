@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Optional
 
-from ..config import ConfigError
+from ..config import ConfigError, load_config
 from ..stage3 import gathered_parameters, init_context
 
 
@@ -22,12 +22,18 @@ class Init(contextlib.ContextDecorator):
         if module is not None:
             raise ConfigError("zero.Init(module=...) partitions an existing model in DeepSpeed; zerodp partitions "
                               "it in zerodp.deepspeed.initialize instead: create the model normally")
-        if remote_device not in (None, "none"):
-            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): parameter offload is not implemented")
         self.enabled = enabled
         self.config = config_dict_or_path if config_dict_or_path is not None else config
         if enabled and self.config is None:
             raise ConfigError("zero.Init needs the stage-3 config: zero.Init(config_dict_or_path=ds_config)")
+        if enabled and remote_device not in (None, "none"):
+            # zerodp takes where parameters live from the config's offload_param (init_context reads it there)
+            configured = load_config(self.config).zero_optimization.offload_param.device.value
+            if configured != remote_device:
+                raise ConfigError(f"zero.Init(remote_device={remote_device!r}) but the config's "
+                                  f"zero_optimization.offload_param.device is {configured!r}; set offload_param "
+                                  f"to {{\"device\": \"{remote_device}\", ...}} in the config (zerodp reads it there)")
+            self.config = load_config(self.config)
         self.group = data_parallel_group
         self._ctx = None
 

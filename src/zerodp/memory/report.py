@@ -36,7 +36,7 @@ class MemoryReport:
     predicted: ModelStateBytes
     frozen_param_bytes: int
     rss_bytes: int
-    disk_bytes: int = 0            # offloaded optimizer state in files (nvme)
+    disk_bytes: int = 0            # offloaded optimizer state and parameter shards in files (nvme)
     disk_bytes_predicted: int = 0
     owned_numel: int = 0           # parameter elements whose optimizer state this rank holds
     fair_numel: int = 0            # the even share: Ψ/N (Ψ at stage 0)
@@ -58,13 +58,15 @@ def measure_memory(engine) -> MemoryReport:
     units = engine.units
     numel = sum(u.layout.numel for u in units)
     padding = sum(u.layout.padded_numel - u.layout.numel for u in units)
-    params = sum(u.param_bytes() for u in units)
+    home = getattr(engine, "param_home", None)  # offload_param: shards not in memory now do not count
+    away = (lambda u: home.offloaded_bytes(u.param_shard)) if home is not None else (lambda u: 0)
+    params = sum(u.param_bytes() - away(u) for u in units)
     grads = sum(u.grad_bytes() for u in units)
     optimizer = engine.optimizer.state_bytes()
     # Frozen parameters: stage 3 shards them into frozen units; other stages keep them whole.
     frozen_units = engine.sharding.frozen_units
     in_units = {id(p) for u in list(units) + list(frozen_units) for p in u.params}
-    frozen = sum(u.param_bytes() for u in frozen_units) + sum(
+    frozen = sum(u.param_bytes() - away(u) for u in frozen_units) + sum(
         p.numel() * p.element_size() for p in engine.module.parameters() if id(p) not in in_units)
     precision = engine.precision
     elem = precision.param_dtype.itemsize
@@ -95,6 +97,13 @@ def measure_memory(engine) -> MemoryReport:
         optimizer_predicted, disk_predicted = offload_report_bytes(engine, numel, master, k - master)
         predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
         disk = engine.optimizer.offload.disk_bytes()
+    if home is not None:  # offload_param: at most max_in_cpu elements of this rank's shard stay in memory
+        from ..offload.estimate import param_offload_report_bytes
+
+        params_predicted, param_disk_predicted = param_offload_report_bytes(engine, numel, elem)
+        predicted = ModelStateBytes(params_predicted, predicted.grads, predicted.optimizer)
+        disk += home.disk_bytes()
+        disk_predicted += param_disk_predicted
     return MemoryReport(engine.rank, engine.world_size, engine.stage, numel, padding,
                         ModelStateBytes(params, grads, optimizer), predicted, frozen,
                         psutil.Process().memory_info().rss, disk, int(disk_predicted), owned,

@@ -1,5 +1,7 @@
 """Building the offload tier for an engine from its config, with every check done before any work.
 
+`build_param_offload` returns the `ParamShardStore` that stage 3's parameter shards live in (None when
+offload_param is off, or is `cpu` on a machine without a GPU, where host memory is the only memory).
 `build_optimizer_offload` returns the `OffloadedOptimizerState` the sharded optimizer streams its state
 through (None when offload_optimizer is off). Before anything is created it checks, naming the key
 and the fix: the optimizer is elementwise (LAMB and LARC need whole-parameter norms over the full
@@ -22,6 +24,7 @@ from .config import OffloadDevice, ignored_settings
 from .file_io import FileIO
 from .optimizer_state import OffloadedOptimizerState
 from .run_dir import OffloadPathError, RankDir, check_nvme_path, new_run_id, report_leftovers
+from .param_store import ParamShardStore
 from .store import FileStore, HostStore
 
 _reported: set[str] = set()
@@ -52,9 +55,6 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
     section = zero.offload_optimizer
     rank = comm.get_rank(process_group)
     report_ignored(config, rank)
-    if zero.offload_param.enabled:
-        raise ConfigError("zero_optimization.offload_param is not implemented yet in zerodp (optimizer offload "
-                          "is); remove offload_param")
     if not section.enabled:
         return None
     inner = user_optimizer.optim if isinstance(user_optimizer, LARC) else user_optimizer
@@ -94,6 +94,46 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
     owned = (io,) if rank_dir is None else (io, rank_dir)
     return OffloadedOptimizerState(window, section.buffer_count, make_stores,
                                    host_fraction, pin, owned)
+
+
+def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, largest_numel: int,
+                        process_group: comm.ProcessGroup):
+    """The parameter-shard store of this rank (None when offload_param is off or changes nothing here).
+
+    `model_numel` elements of `itemsize` bytes are sharded over the group; `largest_numel` is the
+    largest parameter (a shard of it must fit one `buffer_size` I/O buffer, as in DeepSpeed).
+    """
+    section = config.zero_optimization.offload_param
+    rank = comm.get_rank(process_group)
+    report_ignored(config, rank)
+    if not section.enabled:
+        return None
+    world = comm.get_world_size(process_group)
+    if section.buffer_size < -(-largest_numel // world):
+        raise ConfigError(f"zero_optimization.offload_param.buffer_size={section.buffer_size} elements cannot hold "
+                          f"a shard of the largest parameter ({largest_numel} elements over {world} ranks); set "
+                          f"buffer_size to at least {-(-largest_numel // world)}")
+    has_cuda = torch.cuda.is_available()
+    if section.device is OffloadDevice.CPU:
+        # without a GPU the shard already lives in host memory: nothing to move (said once by report_ignored)
+        return ParamShardStore(None, None, section.max_in_cpu, section.buffer_count,
+                               section.pin_memory and has_cuda) if has_cuda else None
+    key = "zero_optimization.offload_param.nvme_path"
+    needed = -(-model_numel // world) * itemsize
+    error = None
+    try:
+        check_nvme_path(section.nvme_path, key, needed * _ranks_on_this_disk(process_group))
+    except OffloadPathError as err:
+        error = str(err)
+    errors = comm.all_gather_object(error, process_group)  # every rank fails together, none hangs
+    if any(errors):
+        raise ConfigError(next(e for e in errors if e))
+    if rank == 0:
+        report_leftovers(section.nvme_path)
+    rank_dir = RankDir(section.nvme_path, shared_run_id(process_group), rank)  # its own run folder
+    io = FileIO(config.aio.io_threads, config.aio.block_size)
+    return ParamShardStore(rank_dir, io, section.max_in_cpu, section.buffer_count,
+                           section.pin_memory and has_cuda)
 
 
 def _ranks_on_this_disk(process_group: comm.ProcessGroup) -> int:

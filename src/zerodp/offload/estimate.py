@@ -6,6 +6,11 @@ the elementwise optimizer state (Adam: 8 bytes per element). With Ψ_r = this ra
 B = buffer_count:
     cpu:   host = S Ψ_r                                    (no GPU: host memory is the device memory)
     nvme:  disk = S Ψ_r ratio,  host = S Ψ_r (1 - ratio) + B W S   (the I/O slots: the working set)
+
+Parameter offload (`offload_param`, stage 3) moves this rank's parameter shard, P bytes per element
+(in fp32 training it is also the master): with M = max_in_cpu,
+    cpu:   host = P Ψ_r
+    nvme:  disk = P Ψ_r,  host = P min(M, Ψ_r)   (the shards cached; needed ones may exceed M briefly)
 """
 
 from __future__ import annotations
@@ -33,27 +38,59 @@ def predict_offload_bytes(shard_numel: float, state_bytes_per_elem: int, device:
     return OffloadBytes(host=state * (1 - ratio) + buffer_count * window * state_bytes_per_elem, disk=state * ratio)
 
 
+def predict_param_offload_bytes(shard_numel: float, param_bytes_per_elem: int, device: str,
+                                max_in_cpu: float = 1e9) -> OffloadBytes:
+    """Bytes of one rank's offloaded parameter shard by tier; `device` is 'cpu' or 'nvme'."""
+    shard = shard_numel * param_bytes_per_elem
+    if device == "cpu":
+        return OffloadBytes(host=shard, disk=0.0)
+    if device != "nvme":
+        raise ValueError(f"offload device must be 'cpu' or 'nvme', got {device!r}")
+    return OffloadBytes(host=min(max_in_cpu, shard_numel) * param_bytes_per_elem, disk=shard)
+
+
 def render_offload_estimate(numel: float, world_size: int, precision_bytes: tuple[int, int, int], n_states: int,
-                            device: str, stages: tuple[int, ...], sub_group_size: float, buffer_count: int) -> str:
-    """The per-stage table of device / host / disk bytes per rank for `zerodp estimate --offload`."""
+                            device: str, stages: tuple[int, ...], sub_group_size: float, buffer_count: int,
+                            param_device: str = "none", max_in_cpu: float = 1e9) -> str:
+    """The per-stage table of device / host / disk bytes per rank for `zerodp estimate --offload` and
+    `--offload-param` (`device` or `param_device` may be 'none')."""
     p, g, k = precision_bytes
     state = 4 * n_states
     master = k - state
-    lines = [f"with offload_optimizer.device={device}: the optimizer's elementwise state ({state} bytes per element) "
-             f"leaves the device; the fp32 master ({master} bytes) stays with the parameters",
-             f"(nvme: sub_group_size={sub_group_size:.3g}, buffer_count={buffer_count}; without a GPU, device and "
-             f"host are the same memory)",
-             "| stage | device (GB) | host (GB) | disk (GB) |", "|---|---|---|---|"]
+    lines = []
+    if device != "none":
+        lines.append(f"with offload_optimizer.device={device}: the optimizer's elementwise state ({state} bytes per "
+                     f"element) leaves the device; the fp32 master ({master} bytes) stays with the parameters "
+                     f"(nvme: sub_group_size={sub_group_size:.3g}, buffer_count={buffer_count})")
+    if param_device != "none":
+        lines.append(f"with offload_param.device={param_device} (stage 3 only): the parameter shard ({p} bytes per "
+                     f"element{', also the fp32 master' if master == 0 else ''}) leaves the device (nvme: at most "
+                     f"max_in_cpu={max_in_cpu:.3g} elements cached in host memory)")
+    lines += ["(without a GPU, device and host are the same memory)",
+              "| stage | device (GB) | host (GB) | disk (GB) |", "|---|---|---|---|"]
     for stage in stages:
-        if stage == 0:
-            lines.append("| 0 | offload needs stage 1-3 | | |")
+        if stage == 0 and device != "none":
+            lines.append("| 0 | offload_optimizer needs stage 1-3 | | |")
+            continue
+        if stage != 3 and param_device != "none":
+            lines.append(f"| {stage} | offload_param needs stage 3 | | |")
             continue
         shard = numel / world_size
         params = numel * p / (world_size if stage >= 3 else 1)
         grads = numel * g / (world_size if stage >= 2 else 1)
-        tiers = predict_offload_bytes(shard, state, device, 1.0, sub_group_size, buffer_count)
-        device_bytes = params + grads + shard * master
-        lines.append(f"| {stage} | {device_bytes / 1e9:.3g} | {tiers.host / 1e9:.3g} | {tiers.disk / 1e9:.3g} |")
+        host = disk = 0.0
+        device_bytes = grads + shard * master
+        if device != "none":
+            tiers = predict_offload_bytes(shard, state, device, 1.0, sub_group_size, buffer_count)
+            host, disk = tiers.host, tiers.disk
+        else:
+            device_bytes += shard * state
+        if param_device != "none":
+            tiers = predict_param_offload_bytes(shard, p, param_device, max_in_cpu)
+            host, disk = host + tiers.host, disk + tiers.disk
+        else:
+            device_bytes += params
+        lines.append(f"| {stage} | {device_bytes / 1e9:.3g} | {host / 1e9:.3g} | {disk / 1e9:.3g} |")
     return "\n".join(lines)
 
 
@@ -66,3 +103,11 @@ def offload_report_bytes(engine, numel: int, master_bytes: int, state_bytes: int
     tiers = predict_offload_bytes(shard, state_bytes, device, section.ratio if device == "nvme" else 1.0,
                                   zero.sub_group_size, section.buffer_count)
     return shard * master_bytes + tiers.host, tiers.disk
+
+
+def param_offload_report_bytes(engine, numel: int, param_bytes_per_elem: int) -> tuple[float, float]:
+    """(predicted parameter bytes in memory, predicted disk bytes) of a live engine with offload_param."""
+    section = engine.config.zero_optimization.offload_param
+    tiers = predict_param_offload_bytes(numel / engine.world_size, param_bytes_per_elem, section.device.value,
+                                        section.max_in_cpu)
+    return tiers.host, tiers.disk

@@ -14,6 +14,7 @@ writes, so the buffer's lifetime is visible and it cannot be reused before `wait
 
 from __future__ import annotations
 
+import ctypes
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Optional
@@ -39,9 +40,16 @@ DONE = IOHandle((), None)
 
 
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
-    """The tensor's memory as writable bytes (no copy; any dtype, including bf16)."""
+    """The tensor's memory as writable bytes (no copy; any dtype, including bf16).
+
+    Through ctypes rather than `tensor.numpy()`: exporting a numpy view marks the tensor's storage
+    non-resizable for good, and offloaded parameter shards free and re-attach their storage
+    (offload/param_store.py). The IOHandle keeps the tensor alive while the address is in use."""
     assert tensor.device.type == "cpu" and tensor.is_contiguous(), "offload I/O needs contiguous CPU tensors"
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -63,6 +64,8 @@ class OffloadedOptimizerState:
         self.pin_memory = pin_memory
         self.owned = owned               # closed with this object (the I/O pool, the rank's folder)
         self.optimizer = None
+        self.read_wait_s = 0.0           # time the step was blocked on reads / writes
+        self.write_wait_s = 0.0
 
     def chunk_numel(self, default: int) -> int:
         """Chunk size for the optimizer: a window must hold at least one chunk."""
@@ -109,8 +112,7 @@ class OffloadedOptimizerState:
             return slot
         while pending:  # the oldest write that holds a slot frees it (host windows hold none)
             handles, slot = pending.popleft()
-            for h in handles:
-                h.wait()
+            self._wait(handles, "write")
             if slot is not None:
                 return slot
         raise AssertionError("every offload I/O slot is held by a read; buffer_count is too small for the pipeline")
@@ -178,8 +180,7 @@ class OffloadedOptimizerState:
             next_read = None
             if prefetch and n + 1 < len(self.windows):
                 next_read = self._read(self.windows[n + 1], pending)  # read i+1 while stepping i
-            for h in handles:
-                h.wait()
+            self._wait(handles, "read")
             self._install(window, buffers)
             step_window(self.chunks[window.first:window.last])
             pending.append((self._evict(window, buffers, slot), slot))
@@ -190,10 +191,19 @@ class OffloadedOptimizerState:
     def _drain(self, pending: collections.deque) -> None:
         while pending:
             handles, slot = pending.popleft()
-            for h in handles:
-                h.wait()
+            self._wait(handles, "write")
             if slot is not None:
                 self._free.append(slot)
+
+    def _wait(self, handles: list[IOHandle], kind: str) -> None:
+        """Wait for `handles`, adding the time blocked to read_wait_s or write_wait_s (the bench's split)."""
+        start = time.perf_counter()
+        for h in handles:
+            h.wait()
+        if kind == "read":
+            self.read_wait_s += time.perf_counter() - start
+        else:
+            self.write_wait_s += time.perf_counter() - start
 
     @contextlib.contextmanager
     def resident(self, chunk_indices: list[int]):

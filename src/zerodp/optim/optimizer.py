@@ -64,7 +64,7 @@ class ShardedOptimizer:
 
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
-                 sharded: bool, gradient_clipping: float, offload=None) -> None:
+                 sharded: bool, gradient_clipping: float, offload=None, param_home=None) -> None:
         self.units = units
         self.precision = precision
         self.scaler = scaler
@@ -73,14 +73,20 @@ class ShardedOptimizer:
         self.gradient_clipping = gradient_clipping
         self.offload = offload  # offload.OffloadedOptimizerState: where elementwise state lives, or None
         self.chunk_numel = offload.chunk_numel(OPTIMIZER_CHUNK_NUMEL) if offload else OPTIMIZER_CHUNK_NUMEL
+        # offload_param (stage 3): an offload.ParamShardStore; a unit's param_shard has storage only while
+        # held resident there, so every read or write of a shard below sits in `_params_resident`
+        self.param_home = param_home
         self.masters: list[torch.Tensor] = []
-        for unit in units:
-            if precision.mixed:
-                self.masters.append(unit.param_shard.detach().to(precision.master_dtype).clone())
-            else:
-                self.masters.append(unit.param_shard)  # alias: updating the master updates the model
+        self.chunks: list[list[torch.Tensor]] = []
+        for index, unit in enumerate(units):
+            with self._params_resident([index], units):
+                if precision.mixed:
+                    self.masters.append(unit.param_shard.detach().to(precision.master_dtype).clone())
+                else:
+                    self.masters.append(unit.param_shard)  # alias: updating the master updates the model
+                self.chunks.append(self._split(unit, self.masters[-1]))  # views: made while resident
         self.whole = [unit.layout.whole_tensors for unit in units]  # see [Note: whole-tensor units]
-        self.chunks = [self._split(unit, master) for unit, master in zip(units, self.masters)]
+        self._unit_of_chunk = {id(c): i for i, chunks in enumerate(self.chunks) for c in chunks}
         groups = [dict(settings, params=[]) for settings in group_settings]
         for unit, chunks in zip(units, self.chunks):
             groups[unit.group_index]["params"].extend(chunks)
@@ -123,6 +129,13 @@ class ShardedOptimizer:
             if a < b:
                 yield chunk, slice(a - start, b - start), slice(a, b)
             start = end
+
+    def _params_resident(self, indices, units=None, dirty: bool = False):
+        """offload_param: hold the parameter shards of units `indices` in memory for a block."""
+        if self.param_home is None:
+            return contextlib.nullcontext()
+        units = self.units if units is None else units
+        return self.param_home.resident([units[i].param_shard for i in indices], dirty=dirty)
 
     def _resident(self, index: int):
         """Offload: hold master `index`'s optimizer state in memory for a block."""
@@ -197,7 +210,8 @@ class ShardedOptimizer:
         """Unit `index`'s parameter shard was written outside a step: make the master follow it."""
         unit, master = self.units[index], self.masters[index]
         if master is not unit.param_shard:
-            master.copy_(unit.param_shard)
+            with self._params_resident([index]):
+                master.copy_(unit.param_shard)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -258,19 +272,33 @@ class ShardedOptimizer:
                     got = received is None or bool(received[offset + seg.param_index])
                     chunk.grad = g[seg.shard_start:seg.shard_start + seg.numel].view(chunk.shape) if got else None
             offset += len(unit.layout.shapes)
-        if self.offload is None:
+        if self.offload is None and self.param_home is None:
             self._step_chunks(received, None)
+        elif self.offload is None:  # offload_param: one unit's shard in memory at a time
+            for index, chunks in enumerate(self.chunks):
+                self._step_resident(received, chunks)
         else:  # offload: the state streams through the step, one window of chunks at a time
-            self.offload.step(lambda window: self._step_chunks(received, window))
+            self.offload.step(lambda window: self._step_resident(received, window))
         for chunks in self.chunks:
             for chunk in chunks:
                 chunk.grad = None
         if self.precision.mixed:
-            for unit, master in zip(self.units, self.masters):
-                unit.param_shard.copy_(master)
+            for index, (unit, master) in enumerate(zip(self.units, self.masters)):
+                with self._params_resident([index], dirty=True):
+                    unit.param_shard.copy_(master)
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
         return StepOutcome.STEPPED
+
+    def _step_resident(self, received: Optional[torch.Tensor], window: list) -> None:
+        """Step `window`'s chunks with their parameter shards resident (fp32 offload_param: the chunks are
+        views of them, and the step writes them)."""
+        if self.param_home is None or self.precision.mixed:
+            self._step_chunks(received, window)
+            return
+        indices = sorted({self._unit_of_chunk[id(c)] for c in window})
+        with self._params_resident(indices, dirty=True):
+            self._step_chunks(received, window)
 
     def _step_chunks(self, received: Optional[torch.Tensor], window: Optional[list]) -> None:
         """Step the inner optimizer over `window`'s chunks (None: all chunks)."""

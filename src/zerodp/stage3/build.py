@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import comm
 from ..config import ZeroConfig
+from ..offload.build import build_param_offload
 from .flat_unit import FlatUnit
 from .module_unit import ModuleUnit
 from .params import owner_of
@@ -41,6 +42,9 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     shards = ShardGroup(process_group, params[0].device, use_all_reduce=not zero.reduce_scatter)
     plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
     threshold = zero.stage3_param_persistence_threshold
+    # offload_param: where sharded units' parameter shards live between uses (None: with the unit)
+    param_home = build_param_offload(config, sum(p.numel() for p in params), params[0].element_size(),
+                                     max(p.numel() for p in params), process_group)
     flats: list[FlatUnit] = []
     owned_by_unit: list[tuple] = []
     for plan in plans:
@@ -57,7 +61,7 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
         for (group_index, persistent, _, _), (ps, ns) in buckets.items():
             flat = FlatUnit(ps, ns, group_index, shards, index=len(flats), module_name=plan.name or "<root>",
                             trainable=group_index >= 0, persistent=persistent,
-                            whole_tensors=group_index >= 0 and whole[group_index])
+                            whole_tensors=group_index >= 0 and whole[group_index], param_home=param_home)
             flats.append(flat)
             owned.append(flat)
         if owned or plan.module is model:
@@ -73,4 +77,4 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     schedule = Schedule(flats, shards, prefetch_numel, zero.stage3_max_live_parameters)
     module_units = [ModuleUnit(plan.module, plan.name, owned, schedule, is_root=plan.module is model)
                     for plan, owned in owned_by_unit]
-    return Stage3Sharding(model, module_units, flats, shards, schedule, zero.overlap_comm)
+    return Stage3Sharding(model, module_units, flats, shards, schedule, zero.overlap_comm, param_home=param_home)

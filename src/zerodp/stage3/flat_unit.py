@@ -53,7 +53,7 @@ class FlatUnit:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int, shards: ShardGroup, *,
                  index: int, module_name: str, trainable: bool, persistent: bool,
-                 whole_tensors: bool = False) -> None:
+                 whole_tensors: bool = False, param_home=None) -> None:
         if not params:
             raise ValueError("a FlatUnit needs at least one parameter")
         self.params = params
@@ -88,12 +88,16 @@ class FlatUnit:
             params, self.layout, self.shard_index, shards.world, self._reduce, keep_full=False,
             name=f"{module_name}[{index}]") if trainable else None
         self._gather_handle = None
+        # offload_param: an offload.ParamShardStore that param_shard's storage lives in between uses, or None
+        self.param_home = param_home
         self.holders = 0                 # module units (and gathered_parameters blocks) using the values now
         self.state = ShardState.GATHERED
         if not persistent:
             self.shards.live_numel += self.layout.padded_numel  # gathered since construction
             self.holders = 1
             self.release()
+            if param_home is not None:  # offload_param: the shard moves to its offloaded home now
+                param_home.adopt(self.param_shard)
 
     # -- accounting (the optimizer and memory_report read these) --------------------------------
 
@@ -123,6 +127,8 @@ class FlatUnit:
         """Start gathering the full parameters (no-op when gathered or in flight)."""
         if self.state is not ShardState.SHARDED:
             return
+        if self.param_home is not None:  # offload_param: the shard is read in (or ahead) before it is sent
+            self.param_home.acquire(self.param_shard)
         self._gather_handle = self.shards.unshard(self.gathered.tensor, self.param_shard, what=self.describe())
         self.state = ShardState.GATHERING
 
@@ -131,6 +137,8 @@ class FlatUnit:
         if self.state is ShardState.GATHERING:
             self._gather_handle.wait()
             self._gather_handle = None
+            if self.param_home is not None:  # offload_param: the gather no longer reads the shard
+                self.param_home.release(self.param_shard)
             set_partitioned(self.params, self._classes)
             self.state = ShardState.GATHERED
 
@@ -166,7 +174,11 @@ class FlatUnit:
         assert self.state is ShardState.GATHERED
         comm.broadcast(self.gathered.tensor, src, self.shards.process_group, tag="param")
         if not self.persistent:
+            if self.param_home is not None:  # offload_param: written back to its home when evicted
+                self.param_home.acquire(self.param_shard)
             self.param_shard.copy_(self.gathered.shard(self.shard_index))
+            if self.param_home is not None:
+                self.param_home.release(self.param_shard, dirty=True)
 
     # -- gradients ---------------------------------------------------------------------------------
 

@@ -23,6 +23,11 @@ On exit the slices are converted to the compute dtype (bf16/fp16 in the config),
 engine's `model.to(dtype)` has nothing left to do for them. `zerodp.initialize` then lays the
 parameters out in units, gathering one parameter at a time into each unit's flat buffer. The
 engine must be built on the same ranks (`process_group`) and with a stage-3 config.
+
+With `offload_param` in the config, each slice goes to its offloaded home (a file under nvme_path)
+the moment it is made and is read back only while an initializer or the engine's layout needs it,
+so a rank holds at most `max_in_cpu` elements of slices plus one full parameter (as DeepSpeed's
+`zero.Init(remote_device="nvme")`); the engine's flat units then adopt their shards the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import nn
 from .. import comm
 from ..config import ConfigError, load_config
 from ..flat.buffer import alloc_storage, free_storage
+from ..offload.build import build_param_offload
 from ..precision import PrecisionPolicy
 from .params import PartitionedParameter, owner_of, register_owner, set_partitioned, unregister_owner
 
@@ -57,11 +63,18 @@ class _InitShard:
         self.shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
         mine = flat[lo:min(lo + shard_numel, numel)]
         self.shard[:mine.numel()].copy_(mine)
+        if ctx.param_home is not None:  # offload_param: the slice goes to its offloaded home at once
+            ctx.param_home.adopt(self.shard)
         self.full = torch.empty(self.padded_numel, dtype=param.dtype, device=param.device)
         param.data = self.full[:numel].view(param.shape)  # drops the parameter's own storage
         free_storage(self.full)
         set_partitioned([param], None)
         self.whole = False
+
+    def _resident(self, dirty: bool = False):
+        """offload_param: hold the slice in memory for a block (offload/param_store.py)."""
+        home = self.ctx.param_home
+        return contextlib.nullcontext() if home is None else home.resident([self.shard], dirty=dirty)
 
     @property
     def param(self) -> Optional[nn.Parameter]:
@@ -74,7 +87,8 @@ class _InitShard:
 
     def gather(self) -> None:
         alloc_storage(self.full, self.padded_numel)
-        comm.all_gather(self.full, self.shard, self.ctx.group, tag="param")
+        with self._resident():
+            comm.all_gather(self.full, self.shard, self.ctx.group, tag="param")
         set_partitioned([self.param], [self.cls])
         self.whole = True
 
@@ -82,7 +96,8 @@ class _InitShard:
         """Keep rank 0's values (random initializers may differ per rank) and release the rest."""
         comm.broadcast(self.full, 0, self.ctx.group, tag="param")
         lo = self.ctx.rank * self.shard.numel()
-        self.shard.copy_(self.full[lo:lo + self.shard.numel()])
+        with self._resident(dirty=True):
+            self.shard.copy_(self.full[lo:lo + self.shard.numel()])
         set_partitioned([self.param], None)
         free_storage(self.full)
         self.whole = False
@@ -93,7 +108,12 @@ class _InitShard:
         """Convert the slice (and the shape-keeping placeholder) to the compute dtype."""
         if dtype == self.shard.dtype or not self.param.is_floating_point():
             return
-        self.shard = self.shard.to(dtype)
+        with self._resident():
+            converted = self.shard.to(dtype)
+        if self.ctx.param_home is not None:
+            self.ctx.param_home.discard(self.shard)
+            self.ctx.param_home.adopt(converted)
+        self.shard = converted
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
         set_partitioned([self.param], [self.cls])
         self.param.data = self.full[:self.param.numel()].view(self.param.shape)  # a view needs the bytes...
@@ -106,11 +126,14 @@ class _InitShard:
         out.copy_(self.full[:self.param.numel()].view(out.shape))
         free_storage(self.full)
         unregister_owner(self.param)
+        self.ctx.handed_over(self)
 
 
 class _InitContext:
-    def __init__(self, group: comm.ProcessGroup, threshold: int, dtype: torch.dtype) -> None:
+    def __init__(self, group: comm.ProcessGroup, threshold: int, dtype: torch.dtype, param_home=None) -> None:
         self.group = group
+        # offload_param: an offload.ParamShardStore holding the slices until the engine takes them over
+        self.param_home = param_home
         self.rank = comm.get_rank(group)
         self.world = comm.get_world_size(group)
         self.threshold = threshold
@@ -147,10 +170,22 @@ class _InitContext:
                 s.gather()
                 self._whole.append(s)
 
+    def handed_over(self, shard: _InitShard) -> None:
+        """The engine took `shard`'s values into a flat unit: drop the slice (and, after the last, the files)."""
+        if self.param_home is None:
+            return
+        self.param_home.discard(shard.shard)
+        if not self.param_home.entries:
+            self.param_home.close()
+
     def close(self) -> None:
         self.make_whole([])
         self.active = False
         alive = [s for s in self.shards if s.param is not None and owner_of(s.param) is s]  # ties replaced some
+        if self.param_home is not None:
+            for s in self.shards:
+                if s not in alive:
+                    self.param_home.discard(s.shard)
         for s in alive:
             s.to_dtype(self.dtype)
         self.shards = alive
@@ -167,8 +202,11 @@ def init_context(config, process_group: comm.ProcessGroup = None) -> Iterator[No
         raise ConfigError(f"zerodp.init_context partitions parameters for ZeRO stage 3, but the config says "
                           f"stage {cfg.stage}; set zero_optimization.stage to 3")
     comm.init_distributed()
+    # offload_param: slices are written to their offloaded home as they are made (the model's size is not
+    # known yet, so the up-front disk check only sees that nvme_path is a writable directory)
+    param_home = build_param_offload(cfg, 0, 1, 0, process_group)
     ctx = _InitContext(process_group, cfg.zero_optimization.stage3_param_persistence_threshold,
-                       PrecisionPolicy.from_config(cfg).param_dtype)
+                       PrecisionPolicy.from_config(cfg).param_dtype, param_home)
     handle = nn.modules.module.register_module_parameter_registration_hook(ctx.on_register)
     finished = False
     try:

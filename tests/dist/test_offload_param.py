@@ -1,0 +1,144 @@
+"""Parameter offload (`offload_param`, stage 3) changes where the parameter shards live, never the result:
+fp32, world sizes 2 and 3, with accumulation and clipping, alone and together with offload_optimizer
+nvme, give bitwise the same losses and parameters as the run without offload (which itself matches
+plain PyTorch: checked too). A tiny max_in_cpu forces every shard out to its file and back many times
+per step (reads ahead, dirty write-backs); buffer_count 1 and 3 vary the read-ahead. Checkpoints of
+such runs resume with and without offload exactly; the rank folders are gone after engine.close().
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerodp
+from tests.dist.common import make_model, make_optimizer, train_steps
+from tests.dist.test_offload import config
+from tests.dist.test_parity import MICRO_BS, STEPS, assert_parity
+
+
+def param_section(nvme_dir: str, max_in_cpu: int, buffer_count: int) -> dict:
+    return {"device": "nvme", "nvme_path": nvme_dir, "max_in_cpu": max_in_cpu, "buffer_count": buffer_count}
+
+
+def make_config(nvme_dir: str, max_in_cpu: int | None, buffer_count: int, with_optimizer: bool) -> dict:
+    optimizer = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 2} if with_optimizer else None
+    cfg = config(3, optimizer, sub_group_size=41)
+    if max_in_cpu is not None:
+        cfg["zero_optimization"]["offload_param"] = param_section(nvme_dir, max_in_cpu, buffer_count)
+    return cfg
+
+
+def run(cfg: dict, opt_name: str) -> tuple[list[float], dict, dict]:
+    model = make_model()
+    engine = zerodp.initialize(model, make_optimizer(opt_name, model), cfg)
+    losses = train_steps(engine, STEPS, MICRO_BS)
+    params = engine.full_state_dict(rank0_only=False)
+    facts = {}
+    home = engine.param_home
+    if home is not None:
+        facts = {"shards": len(home.entries), "disk_bytes": home.disk_bytes(), "read_bytes": home.read_bytes,
+                 "peak_resident_numel": home.peak_resident_numel, "folder": home.rank_dir.path}
+    engine.close()
+    if home is not None:
+        facts["folder_removed"] = not facts.pop("folder").exists()
+    return losses, params, facts
+
+
+def param_offload_vs_plain(nvme_dir: str, opt_name: str, max_in_cpu: int, buffer_count: int,
+                           with_optimizer: bool) -> dict:
+    plain = run(make_config(nvme_dir, None, buffer_count, False), opt_name)
+    offloaded = run(make_config(nvme_dir, max_in_cpu, buffer_count, with_optimizer), opt_name)
+    return {"plain": plain, "offloaded": offloaded}
+
+
+CASES = [("adamw", 0, 1, False), ("adamw", 150, 3, True), ("sgd", 80, 2, False), ("adamw", 10**9, 2, True)]
+
+
+@pytest.mark.parametrize("opt_name,max_in_cpu,buffer_count,with_optimizer", CASES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_param_offload_is_bitwise_identical_to_no_offload(dist_run, tmp_path, world, opt_name, max_in_cpu,
+                                                          buffer_count, with_optimizer):
+    results = dist_run(world, param_offload_vs_plain, str(tmp_path), opt_name, max_in_cpu, buffer_count,
+                       with_optimizer)
+    for rank, r in enumerate(results):
+        (plain_losses, plain_params, _), (losses, params, facts) = r["plain"], r["offloaded"]
+        assert losses == plain_losses, f"rank {rank}: losses differ with offload_param"
+        for name, value in plain_params.items():
+            assert torch.equal(params[name], value), f"rank {rank}: {name} differs with offload_param"
+        assert facts["shards"] >= 3 and facts["disk_bytes"] > 0
+        if max_in_cpu < 10**9:
+            # every step reads every shard back (forward, backward, optimizer): far more than one copy
+            assert facts["read_bytes"] > 3 * STEPS * facts["disk_bytes"] / 2
+        assert facts["folder_removed"]
+    assert_parity([(r["offloaded"][0], r["offloaded"][1]) for r in results], opt_name, world)
+    assert list(tmp_path.iterdir()) == []
+
+
+def resume_across(ckpt_dir: str, nvme_dir: str, save_offload: bool) -> dict:
+    with_param = make_config(nvme_dir, 60, 2, with_optimizer=True)
+    without = make_config(nvme_dir, None, 2, with_optimizer=False)
+    model = make_model()
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), with_param if save_offload else without)
+    train_steps(engine, 3, MICRO_BS)
+    engine.save_checkpoint(ckpt_dir)
+    uninterrupted = train_steps(engine, 3, MICRO_BS, first_step=3)
+    expected = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    other = make_model(seed=5)
+    resumed = zerodp.initialize(other, make_optimizer("adamw", other), without if save_offload else with_param)
+    resumed.load_checkpoint(ckpt_dir)
+    losses = train_steps(resumed, 3, MICRO_BS, first_step=3)
+    got = resumed.full_state_dict(rank0_only=False)
+    resumed.close()
+    dist.barrier()
+    return {"uninterrupted": uninterrupted, "resumed": losses,
+            "same": all(torch.equal(got[k], v) for k, v in expected.items())}
+
+
+@pytest.mark.parametrize("save_offload", [True, False])
+@pytest.mark.parametrize("world", [2, 3])
+def test_checkpoint_resumes_across_param_offload_exactly(dist_run, tmp_path, world, save_offload):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    results = dist_run(world, resume_across, str(tmp_path / "ckpt"), str(nvme), save_offload)
+    for rank, r in enumerate(results):
+        assert r["resumed"] == r["uninterrupted"], f"rank {rank}: losses differ after resume"
+        assert r["same"], f"rank {rank}: parameters differ after resume"
+    assert list(nvme.iterdir()) == []
+
+
+def built_offloaded(nvme_dir: str) -> dict:
+    """zerodp.init_context with offload_param: each slice is written to its file as it is made."""
+    cfg = make_config(nvme_dir, 40, 2, with_optimizer=True)
+    with zerodp.init_context(cfg):
+        model = make_model()
+    from zerodp.stage3.params import owner_of
+
+    records = [owner_of(p) for p in model.parameters() if owner_of(p) is not None]
+    home = records[0].ctx.param_home
+    facts = {"slices": len(home.entries), "partitioned": len(records),
+             "resident_numel": home.resident_numel, "max_in_cpu": home.max_in_cpu,
+             "files": len(list(home.rank_dir.path.glob("param*.bin")))}
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), cfg)
+    facts["init_files_removed"] = home.closed and not home.rank_dir.path.exists()
+    losses = train_steps(engine, STEPS, MICRO_BS)
+    params = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    plain = run(make_config(nvme_dir, None, 2, False), "adamw")
+    return {"facts": facts, "losses": losses, "params": params, "plain": plain}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_init_context_creates_shards_in_their_offloaded_home(dist_run, tmp_path, world):
+    for rank, r in enumerate(dist_run(world, built_offloaded, str(tmp_path))):
+        facts = r["facts"]
+        assert facts["partitioned"] >= 4 and facts["slices"] == facts["partitioned"] == facts["files"]
+        assert facts["resident_numel"] <= facts["max_in_cpu"], "slices beyond max_in_cpu stayed in memory"
+        assert facts["init_files_removed"], "the init-time files outlive the hand-over to the engine"
+        plain_losses, plain_params, _ = r["plain"]
+        assert r["losses"] == plain_losses, f"rank {rank}: losses differ"
+        for name, value in plain_params.items():
+            assert torch.equal(r["params"][name], value), f"rank {rank}: {name} differs"
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,105 @@
+"""ParamShardStore (offload/param_store.py) without a process group: bytes round-trip bitwise through
+the files, at most max_in_cpu elements stay resident, dirty shards are written before they are freed,
+views made while resident see the values read back later, read-ahead follows the last step's order,
+and the rank folder goes on close."""
+
+from __future__ import annotations
+
+import torch
+
+from zerodp.offload.file_io import FileIO
+from zerodp.offload.param_store import ParamShardStore, ShardHome
+from zerodp.offload.run_dir import RankDir
+
+
+def make_store(tmp_path, max_in_cpu: int, buffer_count: int = 2) -> ParamShardStore:
+    return ParamShardStore(RankDir(str(tmp_path), "unit", 0), FileIO(2, 4096), max_in_cpu, buffer_count)
+
+
+def shards(n: int, numel: int = 1000) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(numel, generator=g) for _ in range(n)]
+
+
+def state(store: ParamShardStore, shard: torch.Tensor) -> ShardHome:
+    return store.entries[id(shard)].state
+
+
+def test_values_round_trip_bitwise_and_memory_stays_bounded(tmp_path):
+    store = make_store(tmp_path, max_in_cpu=2000)
+    tensors = shards(5)
+    expected = [t.clone() for t in tensors]
+    views = [t[10:20] for t in tensors]  # views made while resident: they must see re-read values
+    for t in tensors:
+        store.adopt(t)
+        assert store.resident_numel <= 2000
+    assert store.disk_bytes() == 5 * 1000 * 4
+    for t, want, view in zip(tensors, expected, views):
+        with store.resident([t]):
+            assert torch.equal(t, want) and torch.equal(view, want[10:20])
+        assert store.resident_numel <= 2000
+    assert sum(state(store, t) is ShardHome.OFFLOADED for t in tensors) >= 3
+    store.close()
+    assert not (tmp_path / "zerodp-unit").exists()
+
+
+def test_dirty_shards_are_written_before_they_are_freed(tmp_path):
+    store = make_store(tmp_path, max_in_cpu=1000)
+    a, b = shards(2)
+    store.adopt(a)
+    store.adopt(b)
+    with store.resident([a], dirty=True):
+        a.mul_(3.0)
+    want = a.clone()
+    with store.resident([b]):  # evicts a (a write, then its storage is freed)
+        assert state(store, a) in (ShardHome.WRITING, ShardHome.OFFLOADED)
+    with store.resident([a]):
+        assert torch.equal(a, want)
+    store.close()
+
+
+def test_needed_shards_exceed_the_cache_but_read_ahead_does_not(tmp_path):
+    store = make_store(tmp_path, max_in_cpu=2000, buffer_count=4)
+    tensors = shards(4)
+    for t in tensors:
+        store.adopt(t)
+    with store.resident(tensors[:3]):  # all needed at once: 3000 > 2000 elements, allowed
+        held = store.resident_numel
+    assert held == 3000 and store.resident_numel <= 2000
+    # a step's order: 0, 1, 2, 3; next step, acquiring 0 reads 1 ahead (room for one more only)
+    for t in tensors:
+        with store.resident([t]):
+            pass
+    store.end_step()
+    store.acquire(tensors[0])
+    ahead = [state(store, t) for t in tensors]
+    resident = store.resident_numel
+    assert ahead[1] in (ShardHome.READING, ShardHome.RESIDENT) and resident <= 2000
+    store.release(tensors[0])
+    store.close()
+
+
+def test_discard_frees_the_shard_and_its_file(tmp_path):
+    store = make_store(tmp_path, max_in_cpu=10_000)
+    (a,) = shards(1)
+    store.adopt(a)
+    path = store.rank_dir.path_of("param0.values.bin")
+    store.flush()
+    assert path.exists()
+    store.discard(a)
+    assert not path.exists() and a.untyped_storage().size() == 0 and store.resident_numel == 0
+    store.close()
+
+
+def test_deepspeed_zero_init_remote_device_must_match_the_config(tmp_path):
+    import pytest
+
+    from zerodp.config import ConfigError
+    from zerodp.deepspeed.zero import Init
+
+    stage3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with pytest.raises(ConfigError, match="offload_param.device is 'none'"):
+        Init(config_dict_or_path=stage3, remote_device="nvme")
+    offloaded = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    assert Init(config_dict_or_path=offloaded, remote_device="nvme").config.zero_optimization.offload_param.enabled
