@@ -36,6 +36,7 @@ from .offload.build import build_optimizer_offload
 from .optim.build import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy
+from .preflight import check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
 from .stage12.buckets import ReducePolicy, build_buckets
 from .stage12.strategy import GradReducer
@@ -59,7 +60,7 @@ class ZeroEngine:
         self.world_size = comm.get_world_size(process_group)
         watchdog.configure(config.comm_timeout_s, config.zero_optimization.debug_sync, rank=self.rank)
         watchdog.activity.enter("setup")
-        _check_same_model(model, process_group)
+        check_same_model(model, process_group)
         config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config_auto)
         self.stage = config.stage
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = \
@@ -80,12 +81,12 @@ class ZeroEngine:
         self.param_names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
-        trainable = _trainable_parameters(model)
+        trainable = trainable_parameters(model)
         user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         check_supported(user_opt, config.zero_allow_untested_optimizer)
         check_hyperparameters(user_opt.param_groups)
-        groups = _optimizer_groups(model, user_opt)
+        groups = optimizer_groups(model, user_opt)
         # per param group: does its optimizer read whole tensors (Muon, Adafactor)? Then each rank owns
         # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
         whole = [needs_whole_tensors(m) for m in members(user_opt)]
@@ -306,7 +307,7 @@ class ZeroEngine:
         """Release what zerodp created: offload files, and the default process group if zerodp initialized it.
 
         Idempotent. Call it (or use the engine as a context manager) when training ends; an atexit
-        hook does the same at interpreter exit (see [Note: teardown] in comm/collectives.py). The offload
+        hook does the same at interpreter exit (see [Note: teardown] in comm/process_group.py). The offload
         tier's files are deleted too (otherwise at garbage collection or exit). After close() the engine
         can no longer communicate; a process group the caller created is left alone.
         """
@@ -334,54 +335,6 @@ class ZeroEngine:
                 if isinstance(t, PartitionedParameter):
                     continue  # created partitioned by zerodp.init_context: equal on every rank already
                 comm.broadcast(t.data, 0, self.process_group, tag="init")
-
-
-def _check_same_model(model: nn.Module, process_group: comm.ProcessGroup) -> None:
-    """Refuse to start when ranks built different models (they would hang or mix tensors later)."""
-    if comm.get_world_size(process_group) == 1:
-        return
-    mine = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
-            for name, p in model.named_parameters()]
-    every = comm.all_gather_object(mine, process_group)  # once, at start-up
-    for rank, theirs in enumerate(every):
-        if theirs == every[0]:
-            continue
-        for i, (a, b) in enumerate(zip(every[0], theirs)):
-            if a != b:
-                raise ConfigError(f"ranks built different models: parameter {i} is {a} on rank 0 but {b} on rank "
-                                  f"{rank} (name, shape, dtype, requires_grad); every rank must build the same model")
-        n0, n = len(every[0]), len(theirs)
-        extra = (every[0] if n0 > n else theirs)[min(n0, n)]
-        raise ConfigError(f"ranks built different models: rank 0 has {n0} parameters, rank {rank} has {n} "
-                          f"(first extra: {extra}); every rank must build the same model")
-
-
-def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def _optimizer_groups(model: nn.Module, optimizer) -> list[list[nn.Parameter]]:
-    """The optimizer's groups restricted to trainable parameters, checked against the model."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    trainable = {id(p) for p in _trainable_parameters(model)}
-    groups, seen = [], set()
-    for group in optimizer.param_groups:
-        kept = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ConfigError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter "
-                                  f"of the model; build the optimizer on model.parameters()")
-            if id(p) in trainable:  # frozen parameters never reach the optimizer, as they get no grad
-                kept.append(p)
-                seen.add(id(p))
-        groups.append(kept)
-    missing = [names[id(p)] for p in _trainable_parameters(model) if id(p) not in seen]
-    if missing:
-        raise ConfigError(f"trainable parameters not in the optimizer: {', '.join(missing[:5])}"
-                          f"{' ...' if len(missing) > 5 else ''}; add them or set requires_grad=False")
-    # Parameter order inside a group follows the model (not the optimizer), so every rank agrees.
-    order = {id(p): i for i, p in enumerate(model.parameters())}
-    return [sorted(g, key=lambda p: order[id(p)]) for g in groups]
 
 
 def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroConfig,

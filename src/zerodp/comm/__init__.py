@@ -1,15 +1,16 @@
 """Communication: the collectives zerodp uses (`collectives.py`), with traffic recording for tests, and
-the watchdog and flight recorder over every blocking wait (`watchdog.py`).
+the watchdog and flight recorder over every blocking wait (`watchdog.py`), and the default process
+group's life cycle (`process_group.py`).
 
 Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
 is re-exported here.
 """
 
 from . import watchdog
+from .process_group import destroy_distributed, init_distributed, owns_default_group
 from .collectives import (REAL_COLLECTIVES_ENV, CommLog, CommRecord, GLOO_GATHER_MESSAGE_BYTES, Handle, ProcessGroup,
                           add_observer, remove_observer, all_gather, all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
-                          destroy_distributed, get_rank, get_world_size, init_distributed, is_initialized, new_group_like,
-                          owns_default_group, record,
+                          get_rank, get_world_size, is_initialized, new_group_like, record,
                           reduce_scatter, skips_collectives)
 
 __all__ = ["watchdog", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "GLOO_GATHER_MESSAGE_BYTES", "Handle", "ProcessGroup",

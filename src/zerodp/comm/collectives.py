@@ -24,7 +24,6 @@ Every collective is entered in the flight recorder and every blocking wait runs 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 from dataclasses import dataclass, field
@@ -59,82 +58,6 @@ def skips_collectives(group: ProcessGroup = None) -> bool:
     if get_world_size(group) != 1:
         return False
     return not (is_initialized() and os.environ.get(REAL_COLLECTIVES_ENV) == "1")
-
-
-def init_distributed(timeout_s: Optional[float] = None) -> bool:
-    """Initialize torch.distributed from torchrun's environment, if it is set and not done yet.
-
-    Picks NCCL when CUDA is available, gloo otherwise. Without torchrun's variables (a plain
-    `python train.py`) nothing is initialized and zerodp runs as world size 1. Returns True when this
-    call created the default process group: its creator owns it and destroys it
-    (`destroy_distributed`, called by `engine.close()`), and, as a backstop, so does an atexit hook.
-    """
-    if is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return False
-    from datetime import timedelta
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if timeout_s is None:
-        # the backend's own timeout only backs up the watchdog, which reports first and says more
-        timeout_s = watchdog.timeout_s() + 60.0
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = timedelta(seconds=timeout_s)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        dist.init_process_group(backend=backend, store=_restart_store(timeout), rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
-    global _created_group
-    _created_group = dist.group.WORLD
-    # [Note: teardown] A process group left alive until interpreter shutdown is destroyed by C++
-    # static destructors while gloo's threads still run: "terminate called without an active
-    # exception", SIGABRT, and torchrun reports a finished job as failed (2 of 12 runs here). An
-    # explicit destroy before shutdown joins those threads first. atexit runs before that shutdown,
-    # after the script's last line, also when it ends with an exception.
-    atexit.unregister(_destroy_if_owned)  # registered once, however often a group is created
-    atexit.register(_destroy_if_owned)
-    return True
-
-
-def _restart_store(timeout) -> dist.Store:
-    """The rendezvous store of a restarted attempt, with keys under a prefix of its own.
-
-    torch's elastic agent restarts the ranks on the same store: under the default prefix a restarted
-    rank reads the dead attempt's addresses and gloo fails with "connectFullMesh failed ...
-    Connection refused" (pytorch/pytorch#167288 reports the same for NCCL).
-    """
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_store, timeout=timeout, multi_tenant=not agent_store)
-    return dist.PrefixStore(f"zerodp/restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-
-
-# The default group init_distributed created, if it still exists: not configuration, only who owns it.
-_created_group: ProcessGroup = None
-
-
-def owns_default_group() -> bool:
-    """True when the live default process group was created by `init_distributed` (so zerodp owns it)."""
-    return is_initialized() and _created_group is not None and dist.group.WORLD is _created_group
-
-
-def _destroy_if_owned() -> None:
-    if owns_default_group():
-        destroy_distributed()
-
-
-def destroy_distributed() -> None:
-    """Destroy the default process group and every group made from it (no-op when none exists).
-
-    No barrier first: at exit after a failure a peer may be dead, and a barrier would then wait for
-    the whole timeout; a rank that got here has no collective of its own left in flight.
-    """
-    global _created_group
-    if is_initialized():
-        dist.destroy_process_group()
-    _created_group = None
 
 
 def get_rank(group: ProcessGroup = None) -> int:

@@ -158,7 +158,7 @@ def run_worker(args: TrainArgs) -> dict:
         return record(_run_worker)(args)  # record: a rank's traceback reaches the launcher's error report
     finally:
         if comm.owns_default_group():
-            comm.destroy_distributed()  # before interpreter shutdown: see [Note: teardown] in comm/collectives.py
+            comm.destroy_distributed()  # before interpreter shutdown: see [Note: teardown] in comm/process_group.py
 
 
 def _run_worker(args: TrainArgs) -> dict:
