@@ -47,10 +47,13 @@ def run(cfg: dict, opt_name: str) -> tuple[list[float], dict, dict]:
 
 
 def param_offload_vs_plain(nvme_dir: str, opt_name: str, max_in_cpu: int, buffer_count: int,
-                           with_optimizer: bool) -> dict:
-    plain = run(make_config(nvme_dir, None, buffer_count, False), opt_name)
-    offloaded = run(make_config(nvme_dir, max_in_cpu, buffer_count, with_optimizer), opt_name)
-    return {"plain": plain, "offloaded": offloaded}
+                           with_optimizer: bool, bf16: bool = False) -> dict:
+    configs = [make_config(nvme_dir, None, buffer_count, False),
+               make_config(nvme_dir, max_in_cpu, buffer_count, with_optimizer)]
+    for cfg in configs:
+        if bf16:
+            cfg["bf16"] = {"enabled": True}
+    return {"plain": run(configs[0], opt_name), "offloaded": run(configs[1], opt_name)}
 
 
 CASES = [("adamw", 0, 1, False), ("adamw", 150, 3, True), ("sgd", 80, 2, False), ("adamw", 10**9, 2, True)]
@@ -73,6 +76,19 @@ def test_param_offload_is_bitwise_identical_to_no_offload(dist_run, tmp_path, wo
             assert facts["read_bytes"] > 3 * STEPS * facts["disk_bytes"] / 2
         assert facts["folder_removed"]
     assert_parity([(r["offloaded"][0], r["offloaded"][1]) for r in results], opt_name, world)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_param_offload_in_bf16_is_bitwise_identical_to_no_offload(dist_run, tmp_path):
+    """bf16: the bf16 parameter shard is offloaded, the separate fp32 master stays in memory; the step
+    writes the shard back from the master (dirty), still bitwise the run without offload."""
+    results = dist_run(2, param_offload_vs_plain, str(tmp_path), "adamw", 50, 2, True, True)
+    for rank, r in enumerate(results):
+        (plain_losses, plain_params, _), (losses, params, facts) = r["plain"], r["offloaded"]
+        assert losses == plain_losses, f"rank {rank}: bf16 losses differ with offload_param"
+        for name, value in plain_params.items():
+            assert torch.equal(params[name], value), f"rank {rank}: {name} differs with offload_param (bf16)"
+        assert facts["shards"] >= 3 and facts["folder_removed"]
     assert list(tmp_path.iterdir()) == []
 
 

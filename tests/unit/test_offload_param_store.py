@@ -103,3 +103,15 @@ def test_deepspeed_zero_init_remote_device_must_match_the_config(tmp_path):
     offloaded = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
     assert Init(config_dict_or_path=offloaded, remote_device="nvme").config.zero_optimization.offload_param.enabled
+
+
+def test_estimate_with_parameter_offload_moves_the_shard_to_disk_and_the_cache_to_host():
+    from zerodp.offload.estimate import predict_param_offload_bytes, render_offload_estimate
+
+    # fp32 Adam, 3e9 parameters on 2 ranks: the 4-byte shard (also the master) goes to disk; the host
+    # keeps max_in_cpu elements of it plus buffer_count optimizer windows; the device keeps the gradients
+    table = render_offload_estimate(3e9, 2, (4, 4, 8), 2, "nvme", (1, 3), 1e7, 4, "nvme", 2e8)
+    assert "| 1 | offload_param needs stage 3 | | |" in table
+    assert "| 3 | 6 | 1.12 | 18 |" in table  # device 4 x 1.5e9; host 4 x 2e8 + 4 x 1e7 x 8; disk 12 x 1.5e9
+    assert predict_param_offload_bytes(1e6, 2, "nvme", 1e9).host == 2e6  # the cache never exceeds the shard
+    assert predict_param_offload_bytes(1e6, 4, "cpu").disk == 0
