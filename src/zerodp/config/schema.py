@@ -10,16 +10,16 @@ Each field's description doubles as the reference documentation (`zerodp.config.
 
 from __future__ import annotations
 
-import difflib
 import json
 import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
-from .compat import known_deepspeed_names, normalize
+from .compat import normalize
+from .strict import _NOT_SUPPORTED, StrictModel  # noqa: F401 (_NOT_SUPPORTED: the docs render it)
 
 from ..offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
 
@@ -29,41 +29,11 @@ from ..monitor.config import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfiler
 from .vissl import is_vissl, translate_vissl
 
 
-# Keys DeepSpeed accepts that zerodp deliberately does not (yet) implement. Refusing them by name is
-# kinder than "unknown key": the user learns the feature exists but is not available here.
-_NOT_SUPPORTED = {
-}
-# (Keys that change nothing, aliases and other missing features: see `config_compat`.)
-
-
 class NonFinitePolicy(str, Enum):
     """What a NaN or Inf gradient does in bf16/fp32 training (see zerodp.nonfinite)."""
 
     STOP = "stop"
     SKIP = "skip"
-
-
-class StrictModel(BaseModel):
-    """Base for every config section: unknown keys are errors that suggest the closest valid key."""
-
-    # allow_inf_nan=False: a NaN or infinite number anywhere in a config is a mistake, refused up front
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        valid = set(cls.model_fields)
-        for key in data:
-            if key in valid:
-                continue
-            if key in _NOT_SUPPORTED:
-                raise ValueError(f"'{key}' is not supported: {_NOT_SUPPORTED[key]}")
-            close = difflib.get_close_matches(str(key), sorted(valid | known_deepspeed_names()), n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
-            raise ValueError(f"unknown key '{key}'{hint}")
-        return data
 
 
 class FP16Config(StrictModel):

@@ -8,10 +8,11 @@ imports these models) so that the monitor package can be read on its own.
 
 from __future__ import annotations
 
-import difflib
-from typing import Any, Optional
+from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator
+
+from ..config.strict import StrictModel
 
 # DeepSpeed's default job name: the folder under output_path that a run's files go to.
 DEFAULT_JOB_NAME = "DeepSpeedJobName"
@@ -30,26 +31,7 @@ def canonical_op(name: str) -> str:
     return COMM_OP_ALIASES.get(name, name)
 
 
-class _Section(BaseModel):
-    """Unknown keys are errors that suggest the closest valid key (as zerodp.config.StrictModel does)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        valid = sorted(cls.model_fields)
-        for key in data:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-                hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
-                raise ValueError(f"unknown key '{key}'{hint}")
-        return data
-
-
-class CSVMonitorConfig(_Section):
+class CSVMonitorConfig(StrictModel):
     """`csv_monitor`: one CSV file per event under output_path/job_name (rank 0)."""
 
     enabled: bool = Field(False, description="Write Train/Samples/train_loss, lr, loss_scale (fp16) and grad_norm "
@@ -59,7 +41,7 @@ class CSVMonitorConfig(_Section):
     job_name: str = Field(DEFAULT_JOB_NAME, description="Folder under output_path that this run's files go to.")
 
 
-class TensorBoardConfig(_Section):
+class TensorBoardConfig(StrictModel):
     """`tensorboard`: the same events as csv_monitor, as TensorBoard scalars (needs `pip install tensorboard`)."""
 
     enabled: bool = Field(False, description="Write the monitor's events with torch.utils.tensorboard.SummaryWriter "
@@ -68,7 +50,7 @@ class TensorBoardConfig(_Section):
     job_name: str = Field(DEFAULT_JOB_NAME, description="Folder under output_path holding the event files.")
 
 
-class WandbConfig(_Section):
+class WandbConfig(StrictModel):
     """`wandb`: the same events logged to Weights & Biases (needs `pip install wandb`; never a dependency)."""
 
     enabled: bool = Field(False, description="Log the monitor's events with wandb.log on rank 0 (wandb.init is "
@@ -78,7 +60,7 @@ class WandbConfig(_Section):
     project: str = Field("deepspeed", description="W&B project.")
 
 
-class CommsLoggerConfig(_Section):
+class CommsLoggerConfig(StrictModel):
     """`comms_logger`: count, bytes and time of every collective zerodp issues, per operation and size."""
 
     enabled: bool = Field(False, description="Record every collective (engine.comms_summary() returns and logs the "
@@ -101,7 +83,7 @@ class CommsLoggerConfig(_Section):
         return ops
 
 
-class FlopsProfilerConfig(_Section):
+class FlopsProfilerConfig(StrictModel):
     """`flops_profiler`: FLOPs of one optimizer step (forward and backward) with torch.utils.flop_counter."""
 
     enabled: bool = Field(False, description="Count the FLOPs of every forward and backward of the step "

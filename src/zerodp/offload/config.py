@@ -9,11 +9,12 @@ any work: see `offload.checks`.
 
 from __future__ import annotations
 
-import difflib
 from enum import Enum
-from typing import Any, Optional
+from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from ..config.strict import StrictModel
 
 
 class OffloadDevice(str, Enum):
@@ -27,33 +28,13 @@ class OffloadDevice(str, Enum):
         return repr(self.value)
 
 
-class _Section(BaseModel):
-    """Unknown keys are errors that suggest the closest valid key (as zerodp.config.StrictModel does;
-    kept separate so that zerodp.config can import these models without an import cycle)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        valid = sorted(cls.model_fields)
-        for key in data:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-                hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
-                raise ValueError(f"unknown key '{key}'{hint}")
-        return data
-
-
 def _check_nvme_path(device: OffloadDevice, nvme_path: Optional[str], section: str) -> None:
     if device is OffloadDevice.NVME and not nvme_path:
         raise ValueError(f"{section}.device is 'nvme' but {section}.nvme_path is not set; set it to a directory on "
                          f"a fast local disk (zerodp creates its files under it)")
 
 
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(StrictModel):
     """`zero_optimization.offload_optimizer` (stages 1-3): where the fp32 master shard's optimizer state lives."""
 
     device: OffloadDevice = Field(OffloadDevice.NONE, description="none: off; cpu: optimizer state in host "
@@ -84,7 +65,7 @@ class OffloadOptimizerConfig(_Section):
         return self.device is not OffloadDevice.NONE
 
 
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(StrictModel):
     """`zero_optimization.offload_param` (stage 3 only): where the partitioned parameter shards live."""
 
     device: OffloadDevice = Field(OffloadDevice.NONE, description="none: off; cpu: parameter shards in host "
@@ -109,7 +90,7 @@ class OffloadParamConfig(_Section):
         return self.device is not OffloadDevice.NONE
 
 
-class AioConfig(_Section):
+class AioConfig(StrictModel):
     """DeepSpeed's `aio` section: how NVMe files are read and written."""
 
     block_size: int = Field(1_048_576, ge=512, description="Bytes per I/O request: a request larger than this "

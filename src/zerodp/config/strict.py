@@ -1,0 +1,43 @@
+"""The base of every config section: unknown keys are errors naming the closest valid key (zerodp's
+own or DeepSpeed's), and a NaN or infinite number is refused. Its own module, so that the offload and
+monitor packages can build their sections on it without importing the whole schema.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from .compat import known_deepspeed_names
+
+
+# Keys DeepSpeed accepts that zerodp deliberately does not (yet) implement. Refusing them by name is
+# kinder than "unknown key": the user learns the feature exists but is not available here.
+_NOT_SUPPORTED = {
+}
+# (Keys that change nothing, aliases and other missing features: see `config_compat`.)
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors that suggest the closest valid key."""
+
+    # allow_inf_nan=False: a NaN or infinite number anywhere in a config is a mistake, refused up front
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        valid = set(cls.model_fields)
+        for key in data:
+            if key in valid:
+                continue
+            if key in _NOT_SUPPORTED:
+                raise ValueError(f"'{key}' is not supported: {_NOT_SUPPORTED[key]}")
+            close = difflib.get_close_matches(str(key), sorted(valid | known_deepspeed_names()), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+            raise ValueError(f"unknown key '{key}'{hint}")
+        return data
