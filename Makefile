@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,plot,hf]" torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,plot,hf,monitor]" torch==2.13.0
 	touch $(STAMP)
 
 train: setup
