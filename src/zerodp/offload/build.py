@@ -72,17 +72,7 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
     if section.device is OffloadDevice.NVME:
         key = "zero_optimization.offload_optimizer.nvme_path"
         needed = predicted_state_bytes(int(numel * section.ratio), user_optimizer)  # the files; windows are RAM
-        error = None
-        try:
-            check_nvme_path(section.nvme_path, key, needed * _ranks_on_this_disk(process_group))
-        except OffloadPathError as err:
-            error = str(err)
-        errors = comm.all_gather_object(error, process_group)  # every rank fails together, none hangs
-        if any(errors):
-            raise ConfigError(next(e for e in errors if e))
-        if rank == 0:
-            report_leftovers(section.nvme_path)
-        rank_dir = RankDir(section.nvme_path, shared_run_id(process_group), rank)
+        rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)
     io = FileIO(config.aio.io_threads, config.aio.block_size)
 
     def make_stores(host_numel: int, file_numel: int):
@@ -120,17 +110,7 @@ def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, lar
                                section.pin_memory and has_cuda) if has_cuda else None
     key = "zero_optimization.offload_param.nvme_path"
     needed = -(-model_numel // world) * itemsize
-    error = None
-    try:
-        check_nvme_path(section.nvme_path, key, needed * _ranks_on_this_disk(process_group))
-    except OffloadPathError as err:
-        error = str(err)
-    errors = comm.all_gather_object(error, process_group)  # every rank fails together, none hangs
-    if any(errors):
-        raise ConfigError(next(e for e in errors if e))
-    if rank == 0:
-        report_leftovers(section.nvme_path)
-    rank_dir = RankDir(section.nvme_path, shared_run_id(process_group), rank)  # its own run folder
+    rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)  # its own run folder
     io = FileIO(config.aio.io_threads, config.aio.block_size)
     return ParamShardStore(rank_dir, io, section.max_in_cpu, section.buffer_count,
                            section.pin_memory and has_cuda)
@@ -142,3 +122,22 @@ def _ranks_on_this_disk(process_group: comm.ProcessGroup) -> int:
 
     hosts = comm.all_gather_object(socket.gethostname(), process_group)
     return hosts.count(socket.gethostname())
+
+
+def _rank_dir(nvme_path: str, key: str, needed_bytes: int, process_group: comm.ProcessGroup) -> RankDir:
+    """This rank's folder under `nvme_path`, after every rank checked the path has room for `needed_bytes`.
+
+    Every rank fails together (none waits in a later collective); rank 0 reports folders left by crashed runs.
+    """
+    error = None
+    try:
+        check_nvme_path(nvme_path, key, needed_bytes * _ranks_on_this_disk(process_group))
+    except OffloadPathError as err:
+        error = str(err)
+    errors = comm.all_gather_object(error, process_group)
+    if any(errors):
+        raise ConfigError(next(e for e in errors if e))
+    rank = comm.get_rank(process_group)
+    if rank == 0:
+        report_leftovers(nvme_path)
+    return RankDir(nvme_path, shared_run_id(process_group), rank)
