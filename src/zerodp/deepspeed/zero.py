@@ -9,7 +9,29 @@ from ..config import ConfigError, load_config
 from ..stage3 import gathered_parameters, init_context
 
 
-class Init(contextlib.ContextDecorator):
+class _Switchable(contextlib.ContextDecorator):
+    """DeepSpeed's `enabled=` contexts: enter zerodp's context made by `_open()`, or do nothing when disabled."""
+
+    enabled: bool = True
+    _ctx = None
+
+    def _open(self):
+        raise NotImplementedError
+
+    def __enter__(self):
+        if self.enabled:
+            self._ctx = self._open()
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            return ctx.__exit__(*exc)
+        return False
+
+
+class Init(_Switchable):
     """Create parameters already partitioned (ZeRO stage 3): `with deepspeed.zero.Init(config_dict_or_path=cfg):`.
 
     zerodp needs the stage-3 config (for the persistence threshold and dtype); pass it as
@@ -37,34 +59,16 @@ class Init(contextlib.ContextDecorator):
         self.group = data_parallel_group
         self._ctx = None
 
-    def __enter__(self):
-        if self.enabled:
-            self._ctx = init_context(self.config, self.group)
-            self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            return ctx.__exit__(*exc)
-        return False
+    def _open(self):
+        return init_context(self.config, self.group)
 
 
-class GatheredParameters(contextlib.ContextDecorator):
+class GatheredParameters(_Switchable):
     """Gather partitioned parameters for the block; writes on `modifier_rank` reach every rank after it."""
 
     def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module=None, enabled: bool = True) -> None:
         self.params, self.modifier_rank, self.enabled = params, modifier_rank, enabled
         self._ctx = None
 
-    def __enter__(self):
-        if self.enabled:
-            self._ctx = gathered_parameters(self.params, modifier_rank=self.modifier_rank)
-            self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            return ctx.__exit__(*exc)
-        return False
+    def _open(self):
+        return gathered_parameters(self.params, modifier_rank=self.modifier_rank)
