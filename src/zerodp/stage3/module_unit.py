@@ -65,7 +65,7 @@ class TrainingState(Enum):
     FORWARD = auto()    # its forward is running (outside backward)
     RECOMPUTE = auto()  # its forward is running inside backward, not yet held for backward
     BACKWARD = auto()   # gathered for its backward (the backward hold)
-    KEPT = auto()       # the root only: its forward hold kept for its backward ([Note: the root stays gathered])
+    KEPT = auto()       # root or last unit: its forward hold kept for its backward ([Note: the root stays gathered])
 
 
 _ALLOWED = {
@@ -199,8 +199,11 @@ class ModuleUnit:
                 # [Note: the root stays gathered] The root's backward comes right after its forward
                 # (the loss is computed from the root's output), and FSDP keeps its root unsharded
                 # between the two as well: the forward hold becomes the backward hold, which saves
-                # one gather of the root's parameters per step (a GPT's embeddings and head). Only
-                # in training mode: an evaluation forward leaves nothing gathered.
+                # one gather of the root's parameters per step. The same holds for the unit whose
+                # forward started last in the previous step (a GPT's head when it is its own unit):
+                # its backward is the first to run, so its gathered values are kept (as FSDP2 does
+                # with reshard_after_forward=False on the last unit) and one gather of it is saved.
+                # Only in training mode: an evaluation forward leaves nothing gathered.
                 self._to(TrainingState.KEPT)
             else:
                 self.release()
@@ -218,7 +221,7 @@ class ModuleUnit:
     # -- backward ---------------------------------------------------------------------------------
 
     def _keep_for_backward(self) -> bool:
-        return (self.is_root and self.module.training and self.state is TrainingState.FORWARD and self.holds == 1
+        return ((self.is_root or self.schedule.ended_last_forward(self)) and self.module.training and self.state is TrainingState.FORWARD and self.holds == 1
                 and torch.is_grad_enabled() and not self.schedule.in_backward)
 
     def _on_output_grad(self, grad_outputs) -> None:

@@ -60,6 +60,11 @@ class Schedule:
         if self.in_backward:
             self.order.record(Pass.BACKWARD, unit)
 
+    def ended_last_forward(self, unit: "ModuleUnit") -> bool:
+        """`unit` was the last module unit to start its forward in the previous forward pass."""
+        last = self.order.last(Pass.FORWARD)
+        return bool(last) and last[-1] is unit
+
     def prefetch_after(self, unit: "ModuleUnit") -> None:
         self.prefetcher.after(self.pass_kind, unit)
 
