@@ -99,13 +99,14 @@ class ZeroEngine:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group)
         self.units = self.sharding.units
-        # offload_param (stage 3): the offload.ParamShardStore holding the parameter shards, or None
+        # offload_param (stage 3): the offload.ShardStore holding the parameter shards, or None
         self.param_home = getattr(self.sharding, "param_home", None)
+        self.grad_home = getattr(self.sharding, "grad_home", None)  # ... and their gradient shards (fp32 nvme)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            param_home=self.param_home)
+            param_home=self.param_home, grad_home=self.grad_home)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -204,7 +205,7 @@ class ZeroEngine:
         """Every rank is here together (the norm is global): name the cause, then stop or skip."""
         loss_finite = True if self._loss_finite is None else bool(self._loss_finite)
         message = describe(self.global_step, self.optimizer.last_grad_norm, loss_finite, self.units,
-                           self.param_names, self.process_group)
+                           self.param_names, self.process_group, self.grad_home)
         if self.config.nonfinite is NonFinitePolicy.STOP:
             raise NonFiniteError(f"{message}. Nothing was written to the parameters or optimizer state. "
                                  f"Lower the learning rate, enable gradient_clipping, check the data, or set "
@@ -314,6 +315,8 @@ class ZeroEngine:
         self.monitor.close()  # the comms_logger summary is logged here
         if self.optimizer.offload is not None:
             self.optimizer.offload.close()
+        if self.grad_home is not None:   # its files are in the parameter store's folder, closed next
+            self.grad_home.close()
         if self.param_home is not None:  # the parameter files too: the engine cannot train after this
             self.param_home.close()
         if self._owns_process_group:

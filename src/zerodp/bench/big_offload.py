@@ -16,9 +16,11 @@ and at the end the loss curve, peak RSS per rank (getrusage: the true high-water
 and bytes read and written. Sizes (fp32: model states are 16 bytes per parameter):
     3b   vocab 32000, 37 layers, width 2560: 3.07e9 parameters, 49 GB of model states
     80m  vocab 8192, 10 layers, width 768:  8.3e7 parameters (the end-to-end check)
-What stays in memory per rank: the gradient shard (4 bytes x Ψ/N; gradients are not offloaded: 6.1 GB
-at 3b on 2 ranks), the gathered working set (the root unit with the embeddings, one or two blocks),
-max_in_cpu cached shard elements, and buffer_count optimizer windows of sub_group_size elements.
+What stays in memory per rank: the gathered working set (the root unit with the embeddings, one or two
+blocks, and a unit's full gradient buffer until its reduction), max_in_cpu cached elements of the
+parameter shards and as many of the gradient shards (in fp32 these live in nvme_path too: [Note:
+gradient shards offloaded] in offload/shard_store.py), and buffer_count optimizer windows of
+sub_group_size elements.
 """
 
 from __future__ import annotations
@@ -167,9 +169,9 @@ def main(argv=None) -> None:
               "peak_rss_bytes": _peak_rss(), "disk_bytes": disk,
               "read_bytes": read, "written_bytes": written, "build_s": build_s,
               "memory_report": engine.memory_report().as_dict()}
-    engine.close()
     results = [None] * world
     dist.all_gather_object(results, result)
+    engine.close()  # the files go; so does the process group, which zerodp created (comm.init_distributed)
     if rank == 0:
         for r in results:
             print(f"rank {r['rank']}: peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, disk {r['disk_bytes'] / 1e9:.2f} GB, "
@@ -179,7 +181,6 @@ def main(argv=None) -> None:
             with open(args.out, "a") as f:
                 for r in results:
                     f.write(json.dumps(r) + "\n")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

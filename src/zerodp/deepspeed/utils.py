@@ -48,7 +48,9 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     engine, unit, master, k = _locate(param)
     if master is None:
         return None
-    return _whole(engine, unit, unit.grad_shard.float() / engine.loss_scale, k)
+    home = getattr(engine, "grad_home", None)  # fp32 offload_param nvme: gradient shards are held like parameters
+    with contextlib.nullcontext() if home is None else home.resident([unit.grad_shard]):
+        return _whole(engine, unit, unit.grad_shard.float() / engine.loss_scale, k)
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:

@@ -104,6 +104,10 @@ def measure_memory(engine) -> MemoryReport:
         predicted = ModelStateBytes(params_predicted, predicted.grads, predicted.optimizer)
         disk += home.disk_bytes()
         disk_predicted += param_disk_predicted
+        if getattr(engine, "grad_home", None) is not None:  # fp32 nvme: the gradient shards too, bounded the same way
+            disk += engine.grad_home.disk_bytes()
+            disk_predicted += param_disk_predicted
+            predicted = ModelStateBytes(predicted.params, params_predicted, predicted.optimizer)
     return MemoryReport(engine.rank, engine.world_size, engine.stage, numel, padding,
                         ModelStateBytes(params, grads, optimizer), predicted, frozen,
                         psutil.Process().memory_info().rss, disk, int(disk_predicted), owned,

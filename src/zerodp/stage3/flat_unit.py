@@ -53,7 +53,7 @@ class FlatUnit:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int, shards: ShardGroup, *,
                  index: int, module_name: str, trainable: bool, persistent: bool,
-                 whole_tensors: bool = False, param_home=None) -> None:
+                 whole_tensors: bool = False, param_home=None, grad_home=None) -> None:
         if not params:
             raise ValueError("a FlatUnit needs at least one parameter")
         self.params = params
@@ -83,12 +83,13 @@ class FlatUnit:
         self.param_shard = own if persistent else own.clone()
         for p, view in zip(params, self.gathered.views()):
             p.data = view  # forever: see [Note: partitioned parameters]
-        # Frozen units have no gradient storage at all.
+        # Frozen units have no gradient storage at all; a sharded unit's may live in `grad_home` (an
+        # offload.ShardStore, see [Note: gradient shards offloaded]) between uses.
         self.grads: Optional[GradShard] = GradShard(
             params, self.layout, self.shard_index, shards.world, self._reduce, keep_full=False,
-            name=f"{module_name}[{index}]") if trainable else None
+            name=f"{module_name}[{index}]", home=None if persistent or whole_tensors else grad_home) if trainable else None
         self._gather_handle = None
-        # offload_param: an offload.ParamShardStore that param_shard's storage lives in between uses, or None
+        # offload_param: an offload.ShardStore that param_shard's storage lives in between uses, or None
         self.param_home = param_home
         self.holders = 0                 # module units (and gathered_parameters blocks) using the values now
         self.state = ShardState.GATHERED
