@@ -10,7 +10,9 @@ difference. Frozen parameters are reported apart: they are not in the paper's Ψ
 Whole-tensor units (Muon, Adafactor: flat/whole_tensor_layout.py) break the even split: a rank
 owns whole tensors, so its optimizer bytes follow what it owns, not Ψ/N. Their optimizer prediction
 is per owned tensor (master bytes plus `whole_tensor_state_numel`), and `owned_numel` /
-`fair_numel` report this rank's elements against the even share, the imbalance of ownership.
+`fair_numel` report this rank's elements against the even share, the imbalance of ownership. At
+stage 3 the parameter and gradient shards of whole-tensor units are the owned tensors themselves
+(unequal, unpadded shards balanced across units), and their prediction follows them too.
 """
 
 from __future__ import annotations
@@ -86,10 +88,16 @@ def measure_memory(engine) -> MemoryReport:
             if u not in whole:  # elementwise: the whole shard, padding included, as the paper's Ψ/N
                 optimizer_predicted += (master + 4 * state_numel_per_param(member)) * u.layout.shard_numel
                 continue
-            optimizer_predicted += master * u.layout.shard_numel  # a separate master copies the whole shard
+            # a separate master copies the whole shard (stage 3: exactly the owned tensors, see below)
+            optimizer_predicted += master * u.layout.shard_size(u.shard_index)
             for seg in u.layout.segments(u.shard_index):  # state: per tensor this rank owns, no padding
                 optimizer_predicted += 4 * whole_tensor_state_numel(member, u.layout.shapes[seg.param_index])
         predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
+    if whole and engine.stage == 3:
+        # stage 3's whole-tensor shards hold exactly the tensors this rank owns (unequal shards, balanced
+        # across units), so parameter and gradient shards follow ownership too, not Psi/N
+        shard_numel = sum(u.layout.shard_size(u.shard_index) for u in units)
+        predicted = ModelStateBytes(elem * shard_numel, elem * shard_numel, predicted.optimizer)
     disk = disk_predicted = 0
     if engine.optimizer.offload is not None:  # offload: the elementwise state's host part, and disk bytes
         from ..offload.estimate import offload_report_bytes
