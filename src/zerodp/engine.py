@@ -82,7 +82,7 @@ class ZeroEngine:
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
         trainable = trainable_parameters(model)
-        user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
+        user_opt = resolve_optimizer(optimizer, config.optimizer, trainable, model=model)
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         check_supported(user_opt, config.zero_allow_untested_optimizer)
         check_hyperparameters(user_opt.param_groups)
