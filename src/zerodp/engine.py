@@ -90,10 +90,6 @@ class ZeroEngine:
         # per param group: does its optimizer read whole tensors (Muon, Adafactor)? Then each rank owns
         # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
         whole = [needs_whole_tensors(m) for m in members(user_opt)]
-        if any(whole) and config.zero_optimization.offload_optimizer.enabled:
-            raise ConfigError("offload_optimizer streams the step in chunks, but "
-                              f"{', '.join(sorted({type(m).__name__ for m in members(user_opt) if needs_whole_tensors(m)}))} "
-                              "reads whole tensors; remove offload_optimizer or use an elementwise optimizer")
         self._broadcast_module_state()
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision

@@ -218,6 +218,8 @@ def state_numel_per_param(optimizer: OptimizerLike) -> int:
         return max(state_numel_per_param(m) for m in optimizer.optimizers)
     inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
     d = inner.defaults
+    if needs_whole_tensors(inner):  # Muon's momentum; an upper bound for Adafactor (whole_tensor_state_numel)
+        return 1
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, FusedAdam, FusedLamb)):
         return 3 if d.get("amsgrad") else 2
     if isinstance(inner, torch.optim.SGD):
