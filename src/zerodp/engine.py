@@ -26,7 +26,7 @@ from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
-from .errors import ConfigError, NonFiniteError
+from .errors import NonFiniteError
 from .optim.lr_schedules import build_schedule
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory

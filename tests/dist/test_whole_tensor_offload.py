@@ -9,7 +9,14 @@ import pytest
 import torch
 
 import zerodp
-from tests.dist.whole_tensor_common import config, make_gpt, make_optimizers, reference_run, register, train
+from tests.dist.whole_tensor_common import (
+    config,
+    make_gpt,
+    make_optimizers,
+    reference_run,
+    register,
+    train,
+)
 
 STEPS = 3
 
