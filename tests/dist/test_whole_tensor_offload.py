@@ -34,7 +34,8 @@ def run(name: str, stage: int, offload: dict | None) -> tuple[list[float], dict,
     facts = {}
     if engine.optimizer.offload is not None:
         store = engine.optimizer.offload
-        facts = {"windows": len(store.windows), "streamed": sorted(store.keys), "disk_bytes": store.disk_bytes()}
+        facts = {"windows": len(store.windows), "streamed": sorted(store.keys), "disk_bytes": store.disk_bytes(),
+                 "report": engine.memory_report().as_dict()}
     params = engine.full_state_dict(rank0_only=False)
     engine.close()
     return losses, params, facts
@@ -65,3 +66,8 @@ def test_whole_tensor_offload_is_bitwise_the_run_without_it(dist_run, tmp_path, 
         expected = {"momentum_buffer"} if name == "muon_fp32" else {"variance"}
         assert expected <= set(facts["streamed"]), facts
         assert (facts["disk_bytes"] > 0) == (device == "nvme"), facts
+        # memory_report predicts the streamed regions (one per state name over the stream), the I/O slots
+        # (grown to a whole matrix) and the resident factored moments, to the byte
+        report = facts["report"]
+        assert report["optimizer_bytes"] == report["optimizer_bytes_predicted"], report
+        assert report["disk_bytes"] == report["disk_bytes_predicted"] == facts["disk_bytes"], report

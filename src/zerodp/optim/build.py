@@ -212,6 +212,20 @@ def whole_tensor_state_numel(optimizer, shape) -> int:
     return numel
 
 
+def streamed_state_names(optimizer, shape) -> tuple[str, ...]:
+    """Names of the state tensors one optimizer (not a list) keeps shaped like a parameter (or chunk) of
+    `shape`: what offload_optimizer streams (offload/optimizer_state.py); other state stays resident.
+    Classes without a known naming get one placeholder name per state element."""
+    inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
+    if isinstance(inner, torch.optim.Adafactor):  # factored row/column moments for matrices: not streamed
+        return ("variance",) if len(shape) < 2 else ()
+    if isinstance(inner, (torch.optim.Muon, torch.optim.SGD)):
+        return ("momentum_buffer",) if isinstance(inner, torch.optim.Muon) or inner.defaults.get("momentum") else ()
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, FusedAdam, FusedLamb)):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ())
+    return tuple(f"{type(inner).__name__}.{i}" for i in range(state_numel_per_param(inner)))
+
+
 def state_numel_per_param(optimizer: OptimizerLike) -> int:
     """Elements of per-element optimizer state the optimizer keeps (Adam: 2 moments; SGD+momentum: 1)."""
     if isinstance(optimizer, OptimizerList):  # an upper bound over its members
