@@ -26,7 +26,7 @@ from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
-from .errors import ConfigError, NonFiniteError
+from .errors import NonFiniteError
 from .optim.lr_schedules import build_schedule
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
@@ -82,7 +82,7 @@ class ZeroEngine:
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
         trainable = trainable_parameters(model)
-        user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
+        user_opt = resolve_optimizer(optimizer, config.optimizer, trainable, model=model)
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         check_supported(user_opt, config.zero_allow_untested_optimizer)
         check_hyperparameters(user_opt.param_groups)
@@ -90,10 +90,6 @@ class ZeroEngine:
         # per param group: does its optimizer read whole tensors (Muon, Adafactor)? Then each rank owns
         # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
         whole = [needs_whole_tensors(m) for m in members(user_opt)]
-        if any(whole) and config.zero_optimization.offload_optimizer.enabled:
-            raise ConfigError("offload_optimizer streams the step in chunks, but "
-                              f"{', '.join(sorted({type(m).__name__ for m in members(user_opt) if needs_whole_tensors(m)}))} "
-                              "reads whole tensors; remove offload_optimizer or use an elementwise optimizer")
         self._broadcast_module_state()
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision

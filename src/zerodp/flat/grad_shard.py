@@ -77,7 +77,7 @@ class GradShard:
             self.shard = self.full.shard(shard_index)
         else:
             free_storage(self.full.tensor)  # allocated per round, see _ensure_full
-            self.shard = torch.zeros(layout.shard_numel, dtype=first.dtype, device=first.device)
+            self.shard = torch.zeros(layout.shard_size(shard_index), dtype=first.dtype, device=first.device)
         self.state = GradState.IDLE
         self.reported: set[int] = set()                               # parameters heard from this round
         self.received = torch.zeros(len(params), dtype=torch.bool)   # ... since the last optimizer step

@@ -18,6 +18,7 @@ In fp32 training with nvme, the gradient shard (also P bytes per element) goes t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,17 @@ def render_offload_estimate(numel: float, world_size: int, precision_bytes: tupl
     return "\n".join(lines)
 
 
-def offload_report_bytes(engine, numel: int, master_bytes: int, state_bytes: int) -> tuple[float, float]:
-    """(predicted host bytes of the optimizer, predicted disk bytes) of a live offloaded engine."""
+def offload_report_bytes(engine, numel: int, master_bytes: int, state_bytes: int,
+                         shard_numel: Optional[float] = None, largest_chunk: int = 0) -> tuple[float, float]:
+    """(predicted host bytes of the optimizer, predicted disk bytes) of a live offloaded engine;
+    `shard_numel`: this rank's streamed elements where they are not numel / N (whole-tensor units);
+    `largest_chunk`: a whole tensor larger than sub_group_size is a window alone, and the I/O slots grow to it."""
     zero = engine.config.zero_optimization
     section = zero.offload_optimizer
-    shard = numel / (engine.world_size if engine.stage >= 1 else 1)
+    shard = shard_numel if shard_numel is not None else numel / (engine.world_size if engine.stage >= 1 else 1)
     device = section.device.value
     tiers = predict_offload_bytes(shard, state_bytes, device, section.ratio if device == "nvme" else 1.0,
-                                  zero.sub_group_size, section.buffer_count)
+                                  max(zero.sub_group_size, largest_chunk), section.buffer_count)
     return shard * master_bytes + tiers.host, tiers.disk
 
 

@@ -12,6 +12,14 @@ so RAM holds at most buffer_count windows of state. The arithmetic is the inner 
 the same chunks with the same values, so the result is bitwise the same as without offload.
 A window whose chunks never stepped has nothing to read: the optimizer creates its state (zeros),
 which is then written like any other.
+
+[Note: whole-tensor chunks] A whole-tensor group's chunks (Muon, Adafactor: [Note: whole-tensor
+units] in optimizer.py) are whole parameters, shaped like them, and may be larger than a window:
+such a window holds that one chunk, and the I/O slots are sized for the largest window. Stepping
+a window of whole parameters is stepping those parameters, which such an optimizer does one at a
+time anyway. What streams is the state shaped like its chunk (Muon's momentum buffer, Adafactor's
+second moment of a vector); state of another shape (Adafactor's row and column moments of a
+matrix, a few elements per row and column) and scalars stay resident in `optimizer.state`.
 """
 
 from __future__ import annotations
@@ -84,6 +92,8 @@ class OffloadedOptimizerState:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = self.offsets[-1]
         self.windows = plan_windows(numels, self.window_numel)
+        # a whole-tensor chunk larger than window_numel is a window alone: see [Note: whole-tensor chunks]
+        self.slot_numel = max((w.numel for w in self.windows), default=0)
         host_windows = sum(1 for w in self.windows if w.start + w.numel <= self.host_fraction * self.numel)
         self.host_numel = self.windows[host_windows - 1].start + self.windows[host_windows - 1].numel \
             if host_windows else 0
@@ -106,7 +116,7 @@ class OffloadedOptimizerState:
         if self._free:
             return self._free.pop()
         if len(self._slots) < self.buffer_count:
-            slot = {k: torch.empty(self.window_numel, dtype=d, pin_memory=self.pin_memory)
+            slot = {k: torch.empty(self.slot_numel, dtype=d, pin_memory=self.pin_memory)
                     for k, d in self.keys.items()}
             self._slots.append(slot)
             return slot
@@ -125,7 +135,7 @@ class OffloadedOptimizerState:
             if store is not None:
                 store.ensure(key, dtype)
         for slot in self._slots:
-            slot[key] = torch.empty(self.window_numel, dtype=dtype, pin_memory=self.pin_memory)
+            slot[key] = torch.empty(self.slot_numel, dtype=dtype, pin_memory=self.pin_memory)
 
     # -- one window ----------------------------------------------------------------------------
 

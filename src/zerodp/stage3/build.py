@@ -48,6 +48,8 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     grad_home = build_grad_offload(config, param_home)  # fp32 offload_param nvme: the gradient shards too
     flats: list[FlatUnit] = []
     owned_by_unit: list[tuple] = []
+    # whole-tensor units are balanced across units: each on top of the elements ranks own in earlier ones
+    owner_loads = (0,) * shards.world
     for plan in plans:
         buckets: dict[tuple, tuple[list, list]] = {}
         for p, name in zip(plan.params, plan.names):
@@ -62,8 +64,10 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
         for (group_index, persistent, _, _), (ps, ns) in buckets.items():
             flat = FlatUnit(ps, ns, group_index, shards, index=len(flats), module_name=plan.name or "<root>",
                             trainable=group_index >= 0, persistent=persistent,
-                            whole_tensors=group_index >= 0 and whole[group_index], param_home=param_home,
-                            grad_home=grad_home)
+                            whole_tensors=group_index >= 0 and whole[group_index], owner_loads=owner_loads,
+                            param_home=param_home, grad_home=grad_home)
+            if flat.layout.whole_tensors:
+                owner_loads = flat.layout.loads_after
             flats.append(flat)
             owned.append(flat)
         if owned or plan.module is model:
