@@ -85,9 +85,9 @@ class GatherClock:
 
 
 def io_waits(engine) -> tuple[float, float]:
-    """Seconds blocked on NVMe reads and writes so far (parameter shards and optimizer state)."""
+    """Seconds blocked on NVMe reads and writes so far (parameter and gradient shards, optimizer state)."""
     read = write = 0.0
-    for part in (engine.param_home, engine.optimizer.offload):
+    for part in (engine.param_home, engine.grad_home, engine.optimizer.offload):
         if part is not None:
             read, write = read + part.read_wait_s, write + part.write_wait_s
     return read, write
