@@ -167,9 +167,8 @@ def main(argv=None) -> None:
               "peak_rss_bytes": _peak_rss(), "disk_bytes": disk,
               "read_bytes": read, "written_bytes": written, "build_s": build_s,
               "memory_report": engine.memory_report().as_dict()}
-    engine.close()
     results = [None] * world
-    dist.all_gather_object(results, result)
+    dist.all_gather_object(results, result)  # before engine.close(): it destroys the group it created
     if rank == 0:
         for r in results:
             print(f"rank {r['rank']}: peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, disk {r['disk_bytes'] / 1e9:.2f} GB, "
@@ -179,7 +178,7 @@ def main(argv=None) -> None:
             with open(args.out, "a") as f:
                 for r in results:
                     f.write(json.dumps(r) + "\n")
-    dist.destroy_process_group()
+    engine.close()  # removes the offload files and, as comm.init_distributed made the group, destroys it
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ TENSOR_NUMEL = 4_000_000
 LR, WD = 3e-4, 0.01
 DEFAULT_VARIANTS = ["torch_forloop", "torch_foreach", "torch_fused", "torch_forloop_one", "torch_foreach_one",
                     "torch_fused_one", "zerodp", "zerodp_foreach", "zerodp_fused", "zerodp_chunk16",
-                    "zerodp_chunk20", "zerodp_chunk22", "deepspeed_cpu_adam"]
+                    "zerodp_chunk17", "zerodp_chunk19", "zerodp_chunk20", "deepspeed_cpu_adam"]
 TORCH_KWARGS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
