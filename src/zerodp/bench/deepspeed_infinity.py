@@ -80,7 +80,10 @@ class _OneParameterAtATime:
 def build_model(gpt, cfg: dict) -> GPT:
     import deepspeed
 
-    with deepspeed.zero.Init(remote_device="nvme", config_dict_or_path=cfg, dtype=torch.float32):
+    # no dtype=: DeepSpeed 0.19.8 (partition_parameters.Init._set_dtype) turns an explicit dtype into bf16 on
+    # the CPU accelerator (`dtype or fp16 if is_fp16_supported() else bf16 if is_bf16_supported else fp32`:
+    # the method is not called, so truthy); with the config and no dtype it keeps fp32
+    with deepspeed.zero.Init(remote_device="nvme", config_dict_or_path=cfg):
         model = GPT(gpt)  # drawn here from the global RNG, on partitioned (empty) tensors: redrawn below
     GPT.reset_parameters(_OneParameterAtATime(model), torch.Generator().manual_seed(0))
     return model
