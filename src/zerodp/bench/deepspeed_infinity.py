@@ -6,7 +6,7 @@
 Run it in the benchmark's environment (bench/.venv: DeepSpeed 0.19.8, which JIT-compiles its cpu_adam
 and async_io ops with ninja on first use; async_io needs the Debian package libaio-dev). Same model
 (big_offload.SIZES, built from seed 0 with GPT-2's initialization), same tokens
-(models.synthetic_tokens), micro-batch 1, sequence 128, AdamW lr 3e-4 weight decay 0.01, fp32, gradient
+(models.synthetic_tokens), micro-batch 1, sequence 128, AdamW lr 1e-4 (--lr) weight decay 0.01, one fixed batch (--data), fp32, gradient
 clipping 1.0, stage 3 with offload_optimizer and offload_param on nvme; sub_group_size, the persistence
 threshold and max_in_cpu as big_offload sets them. DeepSpeed's optimizer for offload is its
 DeepSpeedCPUAdam (adamw_mode), or torch's AdamW with --torch-adam.
@@ -33,10 +33,11 @@ from ..examples.gpt import GPT
 from .big_offload import SIZES, _fixed_mmap_threshold, _peak_rss
 from .models import synthetic_tokens
 
-LR, WD = 3e-4, 0.01
+WD = 0.01
 
 
-def make_config(nvme_path: str, micro_batch: int, block_numel: int, largest_numel: int, torch_adam: bool) -> dict:
+def make_config(nvme_path: str, micro_batch: int, block_numel: int, largest_numel: int, torch_adam: bool,
+                lr: float = 1e-4) -> dict:
     """big_offload's settings in DeepSpeed's keys. buffer_size must hold the largest parameter (the
     embedding or the head); DeepSpeed keeps buffer_count of them, so it is not made larger. Every
     parameter swapped in holds one buffer until released: buffer_count 5 failed at 80m in the second
@@ -47,7 +48,7 @@ def make_config(nvme_path: str, micro_batch: int, block_numel: int, largest_nume
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": torch_adam}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": WD, "torch_adam": torch_adam}},
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2, "single_submit": False,
                 "overlap_events": True},
         "zero_optimization": {
@@ -97,6 +98,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-4, help="as big_offload's --lr")
+    parser.add_argument("--data", choices=("fixed", "stream"), default="fixed", help="as big_offload's --data")
     parser.add_argument("--torch-adam", action="store_true", help="torch.optim.AdamW instead of DeepSpeedCPUAdam")
     parser.add_argument("--out", help="also write the per-rank results as JSON lines to this file (rank 0 appends)")
     args = parser.parse_args(argv)
@@ -107,7 +110,7 @@ def main(argv=None) -> None:
     block_numel = 12 * gpt.n_embd ** 2 + 13 * gpt.n_embd
     largest = max(gpt.vocab_size, gpt.block_size, 4 * gpt.n_embd) * gpt.n_embd
     os.makedirs(args.nvme_path, exist_ok=True)
-    cfg = make_config(args.nvme_path, args.micro_batch, block_numel, largest, args.torch_adam)
+    cfg = make_config(args.nvme_path, args.micro_batch, block_numel, largest, args.torch_adam, args.lr)
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -121,7 +124,8 @@ def main(argv=None) -> None:
               f"in {build_s:.1f}s, peak RSS so far {_peak_rss() / 2**30:.2f} GiB", flush=True)
     losses, times = [], []
     for step in range(args.steps):
-        tokens = synthetic_tokens(step, rank, args.micro_batch, args.seq_len, gpt.vocab_size)
+        tokens = synthetic_tokens(0 if args.data == "fixed" else step, rank, args.micro_batch, args.seq_len,
+                                  gpt.vocab_size)
         t0 = time.perf_counter()
         logits = engine(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().view(-1, gpt.vocab_size), tokens[:, 1:].reshape(-1))
