@@ -112,7 +112,7 @@ def full_state_dict(engine: CheckpointEngine, rank0_only: bool = True) -> dict[s
     gathered: dict[str, torch.Tensor] = {}
     for unit, master in sharded_units(engine):
         source = master if master is not None else unit.param_shard  # frozen units (stage 3) have no master
-        flat = _gather_flat(unit.layout, source, engine.process_group, chunk_numel, keep)
+        flat = gather_flat(unit.layout, source, engine.process_group, chunk_numel, keep)
         if keep:
             for p, offset, numel, shape in zip(unit.params, unit.layout.offsets, unit.layout.numels,
                                                unit.layout.shapes):
@@ -131,7 +131,7 @@ def full_state_dict(engine: CheckpointEngine, rank0_only: bool = True) -> dict[s
     return out
 
 
-def _gather_flat(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool) -> Optional[torch.Tensor]:
+def gather_flat(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool) -> Optional[torch.Tensor]:
     """The unit's whole flat buffer as fp32 on CPU where `keep`, from every rank's shard."""
     if layout.num_shards == 1:
         return shard.detach().float().cpu().clone() if keep else None
@@ -151,7 +151,7 @@ def _gather_flat(layout, shard: torch.Tensor, group, chunk_numel: int, keep: boo
 
 
 def _gather_uneven(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool) -> Optional[torch.Tensor]:
-    """`_gather_flat` for shards of unequal sizes: each owner broadcasts its shard, `chunk_numel` at a time."""
+    """`gather_flat` for shards of unequal sizes: each owner broadcasts its shard, `chunk_numel` at a time."""
     out = torch.empty(layout.padded_numel, dtype=torch.float32) if keep else None
     staging = torch.empty(max(1, min(chunk_numel, layout.shard_numel)), dtype=shard.dtype, device=shard.device)
     mine = comm.get_rank(group)

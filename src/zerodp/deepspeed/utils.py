@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.state import master_index, sharded_units
-from ..checkpoint.consolidate import _gather_flat
+from ..checkpoint.consolidate import gather_flat
 
 
 def _locate(param: torch.nn.Parameter):
@@ -29,7 +29,7 @@ def _locate(param: torch.nn.Parameter):
 
 def _whole(engine, unit, flat_shard: torch.Tensor, k: int) -> torch.Tensor:
     chunk = engine.config.zero_optimization.allgather_bucket_size
-    flat = _gather_flat(unit.layout, flat_shard, engine.process_group, chunk, keep=True)
+    flat = gather_flat(unit.layout, flat_shard, engine.process_group, chunk, keep=True)
     offset, numel, shape = unit.layout.offsets[k], unit.layout.numels[k], unit.layout.shapes[k]
     return flat[offset:offset + numel].view(shape).clone()
 
