@@ -76,8 +76,11 @@ class OffloadedOptimizerState:
         self.write_wait_s = 0.0
 
     def chunk_numel(self, default: int) -> int:
-        """Chunk size for the optimizer: a window must hold at least one chunk."""
-        return min(default, self.window_numel)
+        """Chunk size for the optimizer: the same as without offload, whatever the window. A window
+        smaller than a chunk holds that one chunk (slots are sized for the largest window). Chunking
+        the same way matters: torch's fused CPU AdamW rounds the last elements of each tensor (its
+        vector loop's tail) differently, so other chunks would change the last bits of the result."""
+        return default
 
     # -- binding -------------------------------------------------------------------------------
 
