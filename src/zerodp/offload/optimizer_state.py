@@ -4,7 +4,8 @@ The inner (user's) optimizer steps chunk tensors (see [Note: optimizer chunks] i
 their elementwise state (Adam's exp_avg and exp_avg_sq, SGD's momentum_buffer, ...) lives in a store
 (host memory or files) and is in `optimizer.state` only while its chunks are stepped; scalars such as
 Adam's `step` stay resident. This rank's chunks, concatenated, form one stream of `numel` elements,
-cut into windows of at most `window_numel` (zero_optimization.sub_group_size) elements.
+cut into windows of whole chunks, at most `window_numel` (zero_optimization.sub_group_size) elements
+unless one chunk alone is larger (see `chunk_numel`).
 
 [Note: offload pipeline] For window i the step does, with a pool of `buffer_count` I/O slots:
     read window i+1  ||  step window i  ||  write window i-1
