@@ -26,7 +26,7 @@ from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
-from .errors import ConfigError, NonFiniteError
+from .errors import NonFiniteError
 from .optim.lr_schedules import build_schedule
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
@@ -82,7 +82,7 @@ class ZeroEngine:
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
         trainable = trainable_parameters(model)
-        user_opt = resolve_optimizer(optimizer, config.optimizer, trainable)
+        user_opt = resolve_optimizer(optimizer, config.optimizer, trainable, model=model)
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         check_supported(user_opt, config.zero_allow_untested_optimizer)
         check_hyperparameters(user_opt.param_groups)
@@ -90,22 +90,19 @@ class ZeroEngine:
         # per param group: does its optimizer read whole tensors (Muon, Adafactor)? Then each rank owns
         # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
         whole = [needs_whole_tensors(m) for m in members(user_opt)]
-        if any(whole) and config.zero_optimization.offload_optimizer.enabled:
-            raise ConfigError("offload_optimizer streams the step in chunks, but "
-                              f"{', '.join(sorted({type(m).__name__ for m in members(user_opt) if needs_whole_tensors(m)}))} "
-                              "reads whole tensors; remove offload_optimizer or use an elementwise optimizer")
         self._broadcast_module_state()
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group)
         self.units = self.sharding.units
-        # offload_param (stage 3): the offload.ParamShardStore holding the parameter shards, or None
+        # offload_param (stage 3): the offload.ShardStore holding the parameter shards, or None
         self.param_home = getattr(self.sharding, "param_home", None)
+        self.grad_home = getattr(self.sharding, "grad_home", None)  # ... and their gradient shards (fp32 nvme)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            param_home=self.param_home)
+            param_home=self.param_home, grad_home=self.grad_home)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -204,7 +201,7 @@ class ZeroEngine:
         """Every rank is here together (the norm is global): name the cause, then stop or skip."""
         loss_finite = True if self._loss_finite is None else bool(self._loss_finite)
         message = describe(self.global_step, self.optimizer.last_grad_norm, loss_finite, self.units,
-                           self.param_names, self.process_group)
+                           self.param_names, self.process_group, self.grad_home)
         if self.config.nonfinite is NonFinitePolicy.STOP:
             raise NonFiniteError(f"{message}. Nothing was written to the parameters or optimizer state. "
                                  f"Lower the learning rate, enable gradient_clipping, check the data, or set "
@@ -314,6 +311,8 @@ class ZeroEngine:
         self.monitor.close()  # the comms_logger summary is logged here
         if self.optimizer.offload is not None:
             self.optimizer.offload.close()
+        if self.grad_home is not None:   # its files are in the parameter store's folder, closed next
+            self.grad_home.close()
         if self.param_home is not None:  # the parameter files too: the engine cannot train after this
             self.param_home.close()
         if self._owns_process_group:

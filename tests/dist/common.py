@@ -53,6 +53,8 @@ def make_optimizer(name: str, model: nn.Module):
         return torch.optim.SGD(param_groups(model, 1e-2), lr=0.05, momentum=0.9, nesterov=True)
     if name == "adamw":
         return torch.optim.AdamW(param_groups(model, 1e-2), lr=1e-2)
+    if name == "adamw_fused":  # torch's fused CPU kernel: its own arithmetic, which zerodp must keep
+        return torch.optim.AdamW(param_groups(model, 1e-2), lr=1e-2, fused=True)
     if name == "larc":
         return zerodp.optim.LARC(torch.optim.SGD(param_groups(model, 1e-3), lr=0.1, momentum=0.9),
                                  trust_coefficient=0.02, clip=True)

@@ -18,8 +18,9 @@ from tests.dist.common import make_model, make_optimizer, micro_batch
 BAD_STEP = 1
 
 
-def nan_run(stage: int, policy: str, where: str, precision: str) -> dict:
-    """Three steps; at BAD_STEP rank 1 gets a NaN loss (where='loss') or a NaN out.bias gradient."""
+def nan_run(stage: int, policy: str, where: str, precision: str, nvme: str = "") -> dict:
+    """Three steps; at BAD_STEP rank 1 gets a NaN loss (where='loss') or a NaN out.bias gradient.
+    `nvme`: offload_param to this folder (in fp32 the gradient shards live there too)."""
     rank = dist.get_rank()
     model = make_model()
     cfg = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
@@ -27,6 +28,8 @@ def nan_run(stage: int, policy: str, where: str, precision: str) -> dict:
            "gradient_clipping": 1.0, "nonfinite": policy}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if nvme:
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 10}
     engine = zerodp.initialize(model, make_optimizer("adamw", model), cfg)
     out = {"changed": [], "error": None}
     for step in range(3):
@@ -53,6 +56,7 @@ def nan_run(stage: int, policy: str, where: str, precision: str) -> dict:
         out["finite"] = all(bool(torch.isfinite(p).all()) for p in after)
         if out["error"]:
             break
+    out["grads_offloaded"] = engine.grad_home is not None
     out["nonfinite_steps"] = engine.nonfinite_steps
     out["skipped"] = engine.skipped_steps
     with zerodp.gathered_parameters(list(model.parameters())):
@@ -76,6 +80,22 @@ def test_stop_names_step_rank_and_parameter(dist_run, stage, precision, where):
         else:
             assert "'out.bias'" in r["error"] and "loss was not finite" not in r["error"]
     assert results[0]["error"] == results[1]["error"], "every rank prints the same diagnosis"
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_offloaded_gradient_shards_are_checked_too(dist_run, tmp_path, policy):
+    """fp32 offload_param nvme: the gradient shards live in files; the norm kept from their delivery
+    catches the NaN, the diagnosis reads them back one at a time, and skipping writes nothing."""
+    results = dist_run(2, nan_run, 3, policy, "grad", "fp32", str(tmp_path))
+    for r in results:
+        assert r["grads_offloaded"]
+        assert r["finite"]
+        if policy == "stop":
+            assert r["error_step"] == BAD_STEP and r["changed"] == [True, False]
+            assert "'out.bias'" in r["error"]
+        else:
+            assert r["error"] is None and r["changed"] == [True, False, True] and r["nonfinite_steps"] == 1
+    assert results[0]["params"] and all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -4,6 +4,7 @@ nvme, give bitwise the same losses and parameters as the run without offload (wh
 plain PyTorch: checked too). A tiny max_in_cpu forces every shard out to its file and back many times
 per step (reads ahead, dirty write-backs); buffer_count 1 and 3 vary the read-ahead. Checkpoints of
 such runs resume with and without offload exactly; the rank folders are gone after engine.close().
+In fp32 the gradient shards live in files too ([Note: gradient shards offloaded]); in bf16 they stay.
 """
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ def run(cfg: dict, opt_name: str) -> tuple[list[float], dict, dict]:
     losses = train_steps(engine, STEPS, MICRO_BS)
     params = engine.full_state_dict(rank0_only=False)
     facts = {}
-    home = engine.param_home
+    home, grads = engine.param_home, engine.grad_home
     if home is not None:
         facts = {"shards": len(home.entries), "disk_bytes": home.disk_bytes(), "read_bytes": home.read_bytes,
-                 "peak_resident_numel": home.peak_resident_numel, "folder": home.rank_dir.path}
+                 "peak_resident_numel": home.peak_resident_numel, "folder": home.rank_dir.path,
+                 "grad_shards": len(grads.entries) if grads is not None else 0,
+                 "grad_disk_bytes": grads.disk_bytes() if grads is not None else 0,
+                 "grad_peak_resident_numel": grads.peak_resident_numel if grads is not None else 0,
+                 "sharded_trainable": [u.grad_shard.numel() * 4 for u in engine.units if not u.persistent]}
     engine.close()
     if home is not None:
         facts["folder_removed"] = not facts.pop("folder").exists()
@@ -71,6 +76,9 @@ def test_param_offload_is_bitwise_identical_to_no_offload(dist_run, tmp_path, wo
         for name, value in plain_params.items():
             assert torch.equal(params[name], value), f"rank {rank}: {name} differs with offload_param"
         assert facts["shards"] >= 3 and facts["disk_bytes"] > 0
+        # fp32: the gradient shard of every sharded trainable unit lives in a file of its own
+        assert facts["grad_shards"] == len(facts["sharded_trainable"]) >= 3
+        assert facts["grad_disk_bytes"] == sum(facts["sharded_trainable"])
         if max_in_cpu < 10**9:
             # every step reads every shard back (forward, backward, optimizer): far more than one copy
             assert facts["read_bytes"] > 3 * STEPS * facts["disk_bytes"] / 2
@@ -89,6 +97,7 @@ def test_param_offload_in_bf16_is_bitwise_identical_to_no_offload(dist_run, tmp_
         for name, value in plain_params.items():
             assert torch.equal(params[name], value), f"rank {rank}: {name} differs with offload_param (bf16)"
         assert facts["shards"] >= 3 and facts["folder_removed"]
+        assert facts["grad_shards"] == 0  # bf16: the step converts whole gradient shards; they stay
     assert list(tmp_path.iterdir()) == []
 
 

@@ -32,7 +32,7 @@ def assert_parity(results, opt_name: str, world: int) -> None:
 
 
 # the last decorator varies slowest: cases of one world size run together and reuse its workers
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw", "larc", "lamb"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw", "adamw_fused", "larc", "lamb"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_parity_fp32(dist_run, world, stage, opt_name):

@@ -78,3 +78,26 @@ def test_estimator_reports_whole_tensor_imbalance(capsys):
     assert main(["estimate", "--model", "tiny", "--world-size", "3", "--optimizer", "adafactor"]) == 0
     out = capsys.readouterr().out
     assert "whole-tensor ownership (adafactor" in out and "the fullest rank owns" in out
+
+
+def test_unpadded_layout_has_unequal_shards_balanced_across_units():
+    from zerodp.flat.whole_tensor_layout import UnpaddedWholeTensorLayout
+
+    block = [(42, 14), (14, 14), (56, 14), (14, 56)]  # a GPT block's matrices: 588, 196, 784, 784
+    first = UnpaddedWholeTensorLayout.after(block, 8)
+    assert first.padded_numel == first.numel == 2352 and first.padding_ranges() == []
+    assert first.shard_loads == (784, 784, 588, 196, 0, 0, 0, 0)  # four ranks own nothing here
+    assert [first.shard_size(r) for r in range(8)] == list(first.shard_loads)
+    second = UnpaddedWholeTensorLayout.after(block, 8, first.loads_after)
+    assert second.shard_loads == (0, 0, 0, 0, 784, 784, 588, 196)  # ... and take the next block's matrices
+    assert max(second.loads_after) == 784  # the largest matrix: the floor of any whole-tensor split
+    for layout in (first, second):
+        buf = FlatBuffer(layout, torch.float32, torch.device("cpu"))
+        for r in range(8):  # shard r is exactly rank r's tensors, whole, one after another in rank order
+            lo, hi = layout.shard_range(r)
+            segs = layout.segments(r)
+            assert sum(s.numel for s in segs) == hi - lo == buf.shard(r).numel()
+            assert all((s.param_start, s.param_end) == (0, layout.numels[s.param_index]) for s in segs)
+            assert all(layout.owners(s.param_index) == [r] for s in segs)
+    with pytest.raises(ValueError, match="base_loads"):
+        UnpaddedWholeTensorLayout.after(block, 8, (0, 0))

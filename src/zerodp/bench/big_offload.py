@@ -13,12 +13,18 @@ step prints, on each rank, the step's wall time split into
     nvme_write time blocked on writes
     optimizer  the CPU optimizer step itself (its I/O waits are in nvme_*)
 and at the end the loss curve, peak RSS per rank (getrusage: the true high-water mark), bytes on disk
-and bytes read and written. Sizes (fp32: model states are 16 bytes per parameter):
+and bytes read and written, and the floor of one step on this machine: the larger of
+    compute  6 x parameters x tokens per rank FLOPs at the fp32 matmul rate measured here at start-up
+    NVMe     the bytes both ranks read and wrote in the last step (they share one disk) at the
+             bandwidths given by --disk-read-gbps / --disk-write-gbps (defaults: zerodp's FileIO with
+             2 threads on this machine's disk, bench/results/offload_io.txt) Sizes (fp32: model states are 16 bytes per parameter):
     3b   vocab 32000, 37 layers, width 2560: 3.07e9 parameters, 49 GB of model states
     80m  vocab 8192, 10 layers, width 768:  8.3e7 parameters (the end-to-end check)
-What stays in memory per rank: the gradient shard (4 bytes x Ψ/N; gradients are not offloaded: 6.1 GB
-at 3b on 2 ranks), the gathered working set (the root unit with the embeddings, one or two blocks),
-max_in_cpu cached shard elements, and buffer_count optimizer windows of sub_group_size elements.
+What stays in memory per rank: the gathered working set (the root unit with the embeddings, one or two
+blocks, and a unit's full gradient buffer until its reduction), max_in_cpu cached elements of the
+parameter shards and as many of the gradient shards (in fp32 these live in nvme_path too: [Note:
+gradient shards offloaded] in offload/shard_store.py), and buffer_count optimizer windows of
+sub_group_size elements.
 """
 
 from __future__ import annotations
@@ -79,18 +85,19 @@ class GatherClock:
 
 
 def io_waits(engine) -> tuple[float, float]:
-    """Seconds blocked on NVMe reads and writes so far (parameter shards and optimizer state)."""
+    """Seconds blocked on NVMe reads and writes so far (parameter and gradient shards, optimizer state)."""
     read = write = 0.0
-    for part in (engine.param_home, engine.optimizer.offload):
+    for part in (engine.param_home, engine.grad_home, engine.optimizer.offload):
         if part is not None:
             read, write = read + part.read_wait_s, write + part.write_wait_s
     return read, write
 
 
 def io_bytes(engine) -> tuple[int, int, int]:
-    """(bytes on disk, bytes read, bytes written) of this rank so far."""
+    """(bytes on disk, bytes read, bytes written) of this rank so far (the gradient store shares the
+    parameter store's I/O pool, so its bytes are counted there)."""
     home, state = engine.param_home, engine.optimizer.offload
-    disk = home.disk_bytes() + state.disk_bytes()
+    disk = home.disk_bytes() + state.disk_bytes() + (engine.grad_home.disk_bytes() if engine.grad_home else 0)
     read = home.read_bytes + state.owned[0].read_bytes
     written = home.written_bytes + state.owned[0].written_bytes
     return disk, read, written
@@ -112,6 +119,25 @@ def _fixed_mmap_threshold() -> None:
         pass
 
 
+def matmul_flops() -> float:
+    """FLOP/s of a block-sized fp32 matmul on one thread here (the compute part of the floor)."""
+    a, b = torch.randn(512, 2560), torch.randn(2560, 2560)
+    torch.mm(a, b)
+    start, reps = time.perf_counter(), 8
+    for _ in range(reps):
+        torch.mm(a, b)
+    return reps * 2 * 512 * 2560 * 2560 / (time.perf_counter() - start)
+
+
+def floor_line(numel: int, tokens: int, flops: float, read_bytes: int, written_bytes: int,
+               read_gbps: float, write_gbps: float) -> str:
+    compute = 6 * numel * tokens / flops
+    nvme = read_bytes / (read_gbps * 1e9) + written_bytes / (write_gbps * 1e9)
+    return (f"floor per step: {max(compute, nvme):.1f}s = max(compute {compute:.1f}s: 6 x {numel / 1e9:.2f}e9 x "
+            f"{tokens} tokens at {flops / 1e9:.1f} GFLOP/s, NVMe {nvme:.1f}s: {read_bytes / 1e9:.1f} GB read at "
+            f"{read_gbps} GB/s + {written_bytes / 1e9:.1f} GB written at {write_gbps} GB/s by both ranks)")
+
+
 def main(argv=None) -> None:
     _fixed_mmap_threshold()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -121,6 +147,12 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--out", help="also write the per-rank results as JSON lines to this file (rank 0 appends)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (weight decay 0.01)")
+    parser.add_argument("--data", choices=("fixed", "stream"), default="fixed",
+                        help="fixed: the same micro-batch every step, so a working step must lower the loss "
+                             "(a few steps of a fresh stream mostly measure the batches' differences)")
+    parser.add_argument("--disk-read-gbps", type=float, default=1.65, help="disk read bandwidth for the floor")
+    parser.add_argument("--disk-write-gbps", type=float, default=1.9, help="disk write bandwidth for the floor")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     gpt = SIZES[args.size]
@@ -128,11 +160,14 @@ def main(argv=None) -> None:
     cfg = make_config(args.nvme_path, args.micro_batch, block_numel)
     comm.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    flops = matmul_flops()
     start = time.perf_counter()
     with zerodp.init_context(cfg):
         model = GPT(gpt, seed=0)
     numel = sum(p.numel() for p in model.parameters())
-    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01), cfg)
+    # fused: torch's fastest CPU AdamW (bench/results/cpu_adam.md); zerodp steps exactly the user's optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=True)
+    engine = zerodp.initialize(model, optimizer, cfg)
     build_s = time.perf_counter() - start
     if rank == 0:
         print(f"{args.size}: {numel / 1e9:.3f}e9 parameters, fp32 model states {16 * numel / 1e9:.1f} GB, "
@@ -140,8 +175,10 @@ def main(argv=None) -> None:
     gathers = GatherClock()
     losses, steps = [], []
     for step in range(args.steps):
-        tokens = synthetic_tokens(step, rank, args.micro_batch, args.seq_len, gpt.vocab_size)
+        tokens = synthetic_tokens(0 if args.data == "fixed" else step, rank, args.micro_batch, args.seq_len,
+                                  gpt.vocab_size)
         read0, write0 = io_waits(engine)
+        bytes0 = io_bytes(engine)
         gather0 = gathers.seconds
         t0 = time.perf_counter()
         logits = engine(tokens[:, :-1])
@@ -159,27 +196,32 @@ def main(argv=None) -> None:
         split = {"total": t2 - t0, "compute": (t1 - t0) - gather_s - (read1 - read0) - (write1 - write0),
                  "gathers": gather_s, "nvme_read": read2 - read0, "nvme_write": write2 - write0,
                  "optimizer": (t2 - t1) - (read2 - read1) - (write2 - write1)}
+        split["read_gb"], split["written_gb"] = [(b - a) / 1e9 for a, b in zip(bytes0[1:], io_bytes(engine)[1:])]
         steps.append(split)
-        print(f"rank {rank} step {step}: loss {losses[-1]:.4f} " + " ".join(f"{k}={v:.2f}s" for k, v in split.items())
+        print(f"rank {rank} step {step}: loss {losses[-1]:.4f} " + " ".join(f"{k}={v:.2f}s" for k, v in split.items() if not k.endswith("_gb"))
+              + f" read {split['read_gb']:.1f} GB written {split['written_gb']:.1f} GB"
               + f" peak RSS {_peak_rss() / 2**30:.2f} GiB", flush=True)
     disk, read, written = io_bytes(engine)
     result = {"rank": rank, "world": world, "size": args.size, "params": numel, "losses": losses, "steps": steps,
               "peak_rss_bytes": _peak_rss(), "disk_bytes": disk,
               "read_bytes": read, "written_bytes": written, "build_s": build_s,
               "memory_report": engine.memory_report().as_dict()}
-    engine.close()
     results = [None] * world
     dist.all_gather_object(results, result)
+    engine.close()  # the files go; so does the process group, which zerodp created (comm.init_distributed)
     if rank == 0:
         for r in results:
             print(f"rank {r['rank']}: peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, disk {r['disk_bytes'] / 1e9:.2f} GB, "
                   f"read {r['read_bytes'] / 1e9:.2f} GB, written {r['written_bytes'] / 1e9:.2f} GB")
         print(f"losses: {' '.join(f'{x:.4f}' for x in losses)}", flush=True)
+        last = [r["steps"][-1] for r in results]
+        print(floor_line(numel, args.micro_batch * args.seq_len, flops, int(sum(s["read_gb"] for s in last) * 1e9),
+                         int(sum(s["written_gb"] for s in last) * 1e9), args.disk_read_gbps, args.disk_write_gbps),
+              flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 for r in results:
                     f.write(json.dumps(r) + "\n")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

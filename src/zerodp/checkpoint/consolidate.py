@@ -22,10 +22,11 @@ from typing import Optional
 
 import torch
 
-from . import format as fmt
 from .. import comm
 from ..errors import CheckpointError
+from ..flat.layout import chunk_ranges
 from ..seams import CheckpointEngine
+from . import format as fmt
 from .state import canonical_names, describe_tensors, sharded_units
 
 
@@ -111,7 +112,7 @@ def full_state_dict(engine: CheckpointEngine, rank0_only: bool = True) -> dict[s
     gathered: dict[str, torch.Tensor] = {}
     for unit, master in sharded_units(engine):
         source = master if master is not None else unit.param_shard  # frozen units (stage 3) have no master
-        flat = _gather_flat(unit.layout, source, engine.process_group, chunk_numel, keep)
+        flat = gather_flat(unit.layout, source, engine.process_group, chunk_numel, keep)
         if keep:
             for p, offset, numel, shape in zip(unit.params, unit.layout.offsets, unit.layout.numels,
                                                unit.layout.shapes):
@@ -130,10 +131,12 @@ def full_state_dict(engine: CheckpointEngine, rank0_only: bool = True) -> dict[s
     return out
 
 
-def _gather_flat(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool) -> Optional[torch.Tensor]:
+def gather_flat(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool) -> Optional[torch.Tensor]:
     """The unit's whole flat buffer as fp32 on CPU where `keep`, from every rank's shard."""
     if layout.num_shards == 1:
         return shard.detach().float().cpu().clone() if keep else None
+    if not layout.even_shards:
+        return _gather_uneven(layout, shard, group, chunk_numel, keep)
     world, shard_numel = layout.num_shards, layout.shard_numel
     out = torch.empty(layout.padded_numel, dtype=torch.float32) if keep else None
     per_rank = max(1, min(shard_numel, chunk_numel // world))
@@ -144,4 +147,20 @@ def _gather_flat(layout, shard: torch.Tensor, group, chunk_numel: int, keep: boo
         comm.all_gather(part, shard.detach()[lo:hi], group, tag="checkpoint")
         if keep:
             out.view(world, shard_numel)[:, lo:hi].copy_(part.view(world, hi - lo))
+    return out
+
+
+def _gather_uneven(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool) -> Optional[torch.Tensor]:
+    """`gather_flat` for shards of unequal sizes: each owner broadcasts its shard, `chunk_numel` at a time."""
+    out = torch.empty(layout.padded_numel, dtype=torch.float32) if keep else None
+    staging = torch.empty(max(1, min(chunk_numel, layout.shard_numel)), dtype=shard.dtype, device=shard.device)
+    mine = comm.get_rank(group)
+    for r, (start, end) in enumerate(layout.shard_ranges()):
+        for lo, hi in chunk_ranges(end - start, staging.numel()):
+            part = staging[:hi - lo]
+            if r == mine:
+                part.copy_(shard.detach()[lo:hi])
+            comm.broadcast(part, r, group, tag="checkpoint")
+            if keep:
+                out[start + lo:start + hi].copy_(part)
     return out

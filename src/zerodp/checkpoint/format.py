@@ -136,7 +136,7 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor],
                 # one tensor at a time reaches the CPU, so a GPU shard is never copied whole
                 flat = t.detach().reshape(-1).contiguous().cpu()
                 # through ctypes, not .numpy(): a numpy export makes the storage non-resizable for good, and
-                # offloaded parameter shards free and re-attach theirs (offload/param_store.py)
+                # offloaded parameter shards free and re-attach theirs (offload/shard_store.py)
                 out.write(memoryview((ctypes.c_char * (flat.numel() * flat.element_size()))
                                      .from_address(flat.data_ptr())))
     finally:

@@ -291,7 +291,8 @@ def _render_whole_tensor_imbalance(model: str, numel: int, world_size: int, opti
     fullest, fair = whole_tensor_shard_numel(shapes, world_size), -(-numel // world_size)
     return (f"whole-tensor ownership ({optimizer}: each rank owns whole tensors, all parameters assumed in its "
             f"groups): the fullest rank owns {fullest:,} elements vs Psi/N = {fair:,} (+{fullest / fair - 1:.1%}); "
-            f"optimizer state at stages 1-3 and collectives scale by that factor")
+            f"its optimizer state scales by that factor at stages 1-3, and at stages 1-2 its padded shards and the "
+            f"collectives too (stage 3's whole-tensor shards are unpadded and move Psi)")
 
 
 def _cmd_estimate(ns: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """Communication: the collectives zerodp uses (`collectives.py`), with traffic recording for tests, and
-the watchdog and flight recorder over every blocking wait (`watchdog.py`), and the default process
+collectives over shards of unequal sizes (`uneven.py`), the watchdog and flight recorder over every blocking wait (`watchdog.py`), and the default process
 group's life cycle (`process_group.py`).
 
 Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
@@ -12,9 +12,10 @@ from .collectives import (REAL_COLLECTIVES_ENV, CommLog, CommRecord, GLOO_GATHER
                           add_observer, remove_observer, all_gather, all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
                           get_rank, get_world_size, is_initialized, new_group_like, record,
                           reduce_scatter, skips_collectives)
+from .uneven import all_gather_uneven, reduce_scatter_uneven
 
 __all__ = ["watchdog", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "GLOO_GATHER_MESSAGE_BYTES", "Handle", "ProcessGroup",
-           "add_observer", "remove_observer", "all_gather", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
+           "add_observer", "remove_observer", "all_gather", "all_gather_uneven", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
            "destroy_distributed", "get_rank", "get_world_size", "init_distributed", "is_initialized", "new_group_like",
            "owns_default_group", "record",
-           "reduce_scatter", "skips_collectives"]
+           "reduce_scatter", "reduce_scatter_uneven", "skips_collectives"]

@@ -14,7 +14,7 @@ import json
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
@@ -59,6 +59,10 @@ class OptimizerSection(StrictModel):
 
     type: str = Field(description="Optimizer name: SGD, Adam, AdamW, Adagrad, RMSprop, LAMB, LARC (SGD inside).")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer.")
+    select: Optional[Union[Literal["matrices", "rest"], list[str]]] = Field(None, description="In a list of "
+        "optimizer sections (e.g. Muon beside AdamW): the parameters this one steps. 'matrices': 2-D and larger, "
+        "embedding tables excluded; 'rest': every parameter no other section takes; or a list of name patterns "
+        "(fnmatch). Each trainable parameter must be selected by exactly one section (optim/selection.py).")
 
 
 class SchedulerSection(StrictModel):
@@ -148,7 +152,9 @@ class ZeroConfig(StrictModel):
     bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision.")
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig,
                                                       description="ZeRO stage and communication settings.")
-    optimizer: Optional[OptimizerSection] = Field(None, description="Build the optimizer from the config.")
+    optimizer: Optional[Union[OptimizerSection, list[OptimizerSection]]] = Field(
+        None, description="Build the optimizer from the config; a list of sections builds several optimizers over "
+        "disjoint parameter sets, each choosing its parameters with 'select'.")
     aio: AioConfig = Field(default_factory=AioConfig, description="How offload files are read and written.")
     scheduler: Optional[SchedulerSection] = Field(None, description="Learning-rate schedule stepped by the engine.")
     dataloader_drop_last: bool = Field(False, description="zerodp.deepspeed.initialize(training_data=...): drop the "

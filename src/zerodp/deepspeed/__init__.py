@@ -24,7 +24,7 @@ from torch import nn
 from .. import comm as _comm
 from ..config import ConfigError, load_config
 from ..engine import ZeroEngine
-from ..optim.build import build_from_section
+from ..optim.build import build_from_section, build_from_sections
 from . import comm, utils, zero
 from .engine import DeepSpeedEngine
 
@@ -86,7 +86,16 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
     cfg = load_config(_config_source(args, config, config_params))
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
         # DeepSpeed builds the config's optimizer over model_parameters (which may be param groups)
-        optimizer = build_from_section(cfg.optimizer.type, cfg.optimizer.params, model_parameters)
+        if isinstance(cfg.optimizer, list) or cfg.optimizer.select is not None:
+            # sections with 'select' choose among the model's trainable parameters by name and kind
+            given = list(model_parameters)
+            if {id(p) for p in given if isinstance(p, torch.Tensor)} != {id(p) for p in model.parameters()
+                                                                        if p.requires_grad} or len(given) == 0:
+                raise ConfigError("optimizer sections with 'select' choose among all the model's trainable "
+                                  "parameters; pass model_parameters=model.parameters() (not param groups)")
+            optimizer = build_from_sections(cfg.optimizer, model)
+        else:
+            optimizer = build_from_section(cfg.optimizer.type, cfg.optimizer.params, model_parameters)
         cfg = cfg.model_copy(update={"optimizer": None})
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")

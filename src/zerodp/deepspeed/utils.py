@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.state import master_index, sharded_units
-from ..checkpoint.consolidate import _gather_flat
+from ..checkpoint.consolidate import gather_flat
 
 
 def _locate(param: torch.nn.Parameter):
@@ -29,7 +29,7 @@ def _locate(param: torch.nn.Parameter):
 
 def _whole(engine, unit, flat_shard: torch.Tensor, k: int) -> torch.Tensor:
     chunk = engine.config.zero_optimization.allgather_bucket_size
-    flat = _gather_flat(unit.layout, flat_shard, engine.process_group, chunk, keep=True)
+    flat = gather_flat(unit.layout, flat_shard, engine.process_group, chunk, keep=True)
     offset, numel, shape = unit.layout.offsets[k], unit.layout.numels[k], unit.layout.shapes[k]
     return flat[offset:offset + numel].view(shape).clone()
 
@@ -48,7 +48,9 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     engine, unit, master, k = _locate(param)
     if master is None:
         return None
-    return _whole(engine, unit, unit.grad_shard.float() / engine.loss_scale, k)
+    home = getattr(engine, "grad_home", None)  # fp32 offload_param nvme: gradient shards are held like parameters
+    with contextlib.nullcontext() if home is None else home.resident([unit.grad_shard]):
+        return _whole(engine, unit, unit.grad_shard.float() / engine.loss_scale, k)
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:

@@ -131,13 +131,16 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     if validated.optimizer is not None:
         from ..optim.build import OptimizerError, resolve_optimizer
 
-        try:
-            resolve_optimizer(None, validated.optimizer, [torch.nn.Parameter(torch.zeros(1))])
-        except OptimizerError as err:
-            raise UsageError(str(err)) from None
-        except (TypeError, ValueError) as err:  # torch's own checks, e.g. "Invalid learning rate: -1"
-            raise UsageError(f"the config's optimizer section ({validated.optimizer.type}) is refused by torch: "
-                             f"{err}; fix optimizer.params") from None
+        sections = validated.optimizer if isinstance(validated.optimizer, list) else [validated.optimizer]
+        for section in sections:  # hyper-parameters only: which parameters each selects is checked at start-up
+            try:
+                resolve_optimizer(None, section.model_copy(update={"select": None}),
+                                  [torch.nn.Parameter(torch.zeros(1, 1))])  # 2-D: Muon takes only matrices
+            except OptimizerError as err:
+                raise UsageError(str(err)) from None
+            except (TypeError, ValueError) as err:  # torch's own checks, e.g. "Invalid learning rate: -1"
+                raise UsageError(f"the config's optimizer section ({section.type}) is refused by torch: "
+                                 f"{err}; fix optimizer.params") from None
 
     model = pick("model", "small")
     if model not in MODEL_PRESETS:

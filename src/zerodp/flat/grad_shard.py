@@ -23,8 +23,10 @@ How the sum is computed (all-reduce, reduce-scatter, which communicator and stre
 `reduce` callable passed at construction.
 
 [Note: reduced shard destination] `_deliver` is the one place where a reduced slice lands in this
-rank's gradient shard. An offload backend (gradients kept on the CPU or on disk) redirects that one
-method, and every stage follows.
+rank's gradient shard. With `home` (an offload.ShardStore: stage 3, fp32, offload_param nvme) the
+shard lives there between deliveries and the optimizer step, and `sq_norm` keeps its square norm
+from the last delivery, so the step need not read every shard twice ([Note: gradient shards
+offloaded] in offload/shard_store.py).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class GradShard:
     """The gradients of `params` (laid out by `layout`), and this rank's reduced slice of them."""
 
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, shard_index: int, world: int,
-                 reduce: ReduceFn, *, keep_full: bool, name: str = "") -> None:
+                 reduce: ReduceFn, *, keep_full: bool, name: str = "", home=None) -> None:
         first = params[0]
         self.params = params
         self.layout = layout
@@ -75,13 +77,17 @@ class GradShard:
             self.shard = self.full.shard(shard_index)
         else:
             free_storage(self.full.tensor)  # allocated per round, see _ensure_full
-            self.shard = torch.zeros(layout.shard_numel, dtype=first.dtype, device=first.device)
+            self.shard = torch.zeros(layout.shard_size(shard_index), dtype=first.dtype, device=first.device)
         self.state = GradState.IDLE
         self.reported: set[int] = set()                               # parameters heard from this round
         self.received = torch.zeros(len(params), dtype=torch.bool)   # ... since the last optimizer step
         self.rounds_launched = 0                                      # reductions launched this micro-step
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
         self._handle: Optional[comm.Handle] = None
+        self.home = home if not keep_full else None  # where `shard` lives between uses, or None
+        self.sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
+        if self.home is not None:
+            self.home.adopt(self.shard, zeros=True)
 
     def _to(self, state: GradState) -> None:
         if state not in _ALLOWED[self.state]:
@@ -98,6 +104,8 @@ class GradShard:
     def nbytes(self) -> int:
         """Gradient bytes held now: the full buffer while allocated, plus a separate shard."""
         shard = 0 if self.keep_full else self.shard.numel() * self.shard.element_size()
+        if self.home is not None:
+            shard -= self.home.offloaded_bytes(self.shard)
         return self.full.nbytes + shard
 
     def _ensure_full(self) -> None:
@@ -152,7 +160,12 @@ class GradShard:
 
     def _deliver(self, reduced: torch.Tensor) -> None:
         """Put a reduced slice into this rank's shard; see [Note: reduced shard destination]."""
-        if not self.keep_full:
+        if self.home is not None:
+            with self.home.resident([self.shard], dirty=True):
+                self.shard.add_(reduced)
+                self.sq_norm = square_norm(self.shard)
+            free_storage(self.full.tensor)
+        elif not self.keep_full:
             self.shard.add_(reduced)
             free_storage(self.full.tensor)
         elif self._stash is not None:
@@ -174,6 +187,10 @@ class GradShard:
         self.wait()
         if self.keep_full:
             self.full.tensor.zero_()
+        elif self.home is not None:
+            self.home.zero(self.shard)
+            self.sq_norm = None
+            free_storage(self.full.tensor)
         else:
             self.shard.zero_()
             free_storage(self.full.tensor)
@@ -182,3 +199,8 @@ class GradShard:
         self.rounds_launched = 0
         self._stash = None
         self.state = GradState.IDLE  # from any state: nothing is in flight after wait()
+
+
+def square_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The square of `grad`'s 2-norm, as the optimizer sums it over shards (float32 norm, float64 square)."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2

@@ -44,6 +44,9 @@ class FlatLayout:
     num_shards: int
     # every parameter lies inside one shard (flat/whole_tensor_layout.py); here shards cut anywhere
     whole_tensors: ClassVar[bool] = False
+    # every shard has shard_numel elements; False: shards of unequal sizes, gathered and reduced per
+    # owner (flat/whole_tensor_layout.py's UnpaddedWholeTensorLayout, stage 3)
+    even_shards: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -85,6 +88,15 @@ class FlatLayout:
         if not 0 <= shard < self.num_shards:
             raise IndexError(f"shard {shard} out of range for {self.num_shards} shards")
         return shard * self.shard_numel, (shard + 1) * self.shard_numel
+
+    def shard_size(self, shard: int) -> int:
+        """Elements of `shard` (shard_numel for every shard of an even layout)."""
+        lo, hi = self.shard_range(shard)
+        return hi - lo
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """Every shard's [start, end) range, in rank order."""
+        return [self.shard_range(r) for r in range(self.num_shards)]
 
     def segments(self, shard: int) -> list[Segment]:
         """Pieces of parameters inside `shard`'s range, in layout order (padding excluded)."""

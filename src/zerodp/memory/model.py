@@ -68,7 +68,8 @@ class ModelStateBytes:
 def whole_tensor_shard_numel(shapes: Sequence[Sequence[int]], world_size: int) -> int:
     """Elements the fullest rank owns when each rank owns whole tensors (Muon, Adafactor), balanced
     greedily by size: at least ceil(Psi / N); the excess is the imbalance that the table's Psi/N
-    does not show (the optimizer state and, at stage 3, the parameter shard scale with it)."""
+    does not show (the optimizer state scales with it; at stages 1-2 so do the padded shards and
+    collectives; stage 3 balances its unpadded shards across units, to about the same bound)."""
     from ..flat.whole_tensor_layout import WholeTensorLayout
 
     return WholeTensorLayout.of(shapes, world_size).shard_numel

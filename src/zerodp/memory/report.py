@@ -10,7 +10,9 @@ difference. Frozen parameters are reported apart: they are not in the paper's Ψ
 Whole-tensor units (Muon, Adafactor: flat/whole_tensor_layout.py) break the even split: a rank
 owns whole tensors, so its optimizer bytes follow what it owns, not Ψ/N. Their optimizer prediction
 is per owned tensor (master bytes plus `whole_tensor_state_numel`), and `owned_numel` /
-`fair_numel` report this rank's elements against the even share, the imbalance of ownership.
+`fair_numel` report this rank's elements against the even share, the imbalance of ownership. At
+stage 3 the parameter and gradient shards of whole-tensor units are the owned tensors themselves
+(unequal, unpadded shards balanced across units), and their prediction follows them too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from ..optim.build import members, state_numel_per_param, whole_tensor_state_numel
+from ..optim.build import members, state_numel_per_param, streamed_state_names, whole_tensor_state_numel
 from .model import ModelStateBytes, predict_model_state_bytes
 
 
@@ -86,15 +88,24 @@ def measure_memory(engine) -> MemoryReport:
             if u not in whole:  # elementwise: the whole shard, padding included, as the paper's Ψ/N
                 optimizer_predicted += (master + 4 * state_numel_per_param(member)) * u.layout.shard_numel
                 continue
-            optimizer_predicted += master * u.layout.shard_numel  # a separate master copies the whole shard
+            # a separate master copies the whole shard (stage 3: exactly the owned tensors, see below)
+            optimizer_predicted += master * u.layout.shard_size(u.shard_index)
             for seg in u.layout.segments(u.shard_index):  # state: per tensor this rank owns, no padding
                 optimizer_predicted += 4 * whole_tensor_state_numel(member, u.layout.shapes[seg.param_index])
         predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
+    if whole and engine.stage == 3:
+        # stage 3's whole-tensor shards hold exactly the tensors this rank owns (unequal shards, balanced
+        # across units), so parameter and gradient shards follow ownership too, not Psi/N
+        shard_numel = sum(u.layout.shard_size(u.shard_index) for u in units)
+        predicted = ModelStateBytes(elem * shard_numel, elem * shard_numel, predicted.optimizer)
     disk = disk_predicted = 0
     if engine.optimizer.offload is not None:  # offload: the elementwise state's host part, and disk bytes
         from ..offload.estimate import offload_report_bytes
 
-        optimizer_predicted, disk_predicted = offload_report_bytes(engine, numel, master, k - master)
+        if whole or len(k_values) > 1:
+            optimizer_predicted, disk_predicted = _offload_by_member(engine, units, user_members, master)
+        else:
+            optimizer_predicted, disk_predicted = offload_report_bytes(engine, numel, master, k - master)
         predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
         disk = engine.optimizer.offload.disk_bytes()
     if home is not None:  # offload_param: at most max_in_cpu elements of this rank's shard stay in memory
@@ -104,7 +115,39 @@ def measure_memory(engine) -> MemoryReport:
         predicted = ModelStateBytes(params_predicted, predicted.grads, predicted.optimizer)
         disk += home.disk_bytes()
         disk_predicted += param_disk_predicted
+        if getattr(engine, "grad_home", None) is not None:  # fp32 nvme: the gradient shards too, bounded the same way
+            disk += engine.grad_home.disk_bytes()
+            disk_predicted += param_disk_predicted
+            predicted = ModelStateBytes(predicted.params, params_predicted, predicted.optimizer)
     return MemoryReport(engine.rank, engine.world_size, engine.stage, numel, padding,
                         ModelStateBytes(params, grads, optimizer), predicted, frozen,
                         psutil.Process().memory_info().rss, disk, int(disk_predicted), owned,
                         -(-numel // engine.world_size) if engine.stage >= 1 else numel)
+
+
+def _offload_by_member(engine, units, user_members, master: int) -> tuple[float, float]:
+    """(host, disk) bytes predicted for offload_optimizer with whole-tensor units or several optimizers.
+
+    The offloaded stream is this rank's chunks: elementwise shards whole, whole-tensor units' owned
+    tensors; the store keeps one region per streamed state name over the whole stream (with Muon +
+    AdamW: momentum_buffer, exp_avg, exp_avg_sq). Resident: separate masters, and whole-tensor state
+    of another shape (Adafactor's row and column moments)."""
+    from ..offload.estimate import offload_report_bytes
+
+    stream, names, resident, largest = 0, set(), 0, 0
+    for u in units:
+        member = user_members[u.group_index]
+        resident += master * u.layout.shard_size(u.shard_index)
+        if not u.layout.whole_tensors:
+            stream += u.layout.shard_numel
+            names.update(streamed_state_names(member, (u.layout.shard_numel,)))
+            continue
+        for seg in u.layout.segments(u.shard_index):
+            shape = u.layout.shapes[seg.param_index]
+            stream += seg.numel
+            largest = max(largest, seg.numel)
+            streamed = streamed_state_names(member, shape)
+            names.update(streamed)
+            resident += 4 * (whole_tensor_state_numel(member, shape) - seg.numel * len(streamed))
+    host, disk = offload_report_bytes(engine, stream, 0, 4 * len(names), shard_numel=stream, largest_chunk=largest)
+    return host + resident, disk

@@ -1,7 +1,8 @@
 """Building the offload tier for an engine from its config, with every check done before any work.
 
-`build_param_offload` returns the `ParamShardStore` that stage 3's parameter shards live in (None when
-offload_param is off, or is `cpu` on a machine without a GPU, where host memory is the only memory).
+`build_param_offload` returns the `ShardStore` that stage 3's parameter shards live in (None when
+offload_param is off, or is `cpu` on a machine without a GPU, where host memory is the only memory);
+`build_grad_offload` the one their gradient shards live in (fp32 with offload_param nvme only).
 `build_optimizer_offload` returns the `OffloadedOptimizerState` the sharded optimizer streams its state
 through (None when offload_optimizer is off). Before anything is created it checks, naming the key
 and the fix: the optimizer is elementwise (LAMB and LARC need whole-parameter norms over the full
@@ -20,11 +21,12 @@ from ..config import ConfigError, ZeroConfig
 from ..optim.build import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
+from ..precision import PrecisionPolicy
 from .config import OffloadDevice, ignored_settings
 from .file_io import FileIO
 from .optimizer_state import OffloadedOptimizerState
 from .run_dir import OffloadPathError, RankDir, check_nvme_path, new_run_id, report_leftovers
-from .param_store import ParamShardStore
+from .shard_store import ShardStore
 from .store import FileStore, HostStore
 
 _reported: set[str] = set()
@@ -106,14 +108,30 @@ def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, lar
     has_cuda = torch.cuda.is_available()
     if section.device is OffloadDevice.CPU:
         # without a GPU the shard already lives in host memory: nothing to move (said once by report_ignored)
-        return ParamShardStore(None, None, section.max_in_cpu, section.buffer_count,
+        return ShardStore(None, None, section.max_in_cpu, section.buffer_count,
                                section.pin_memory and has_cuda) if has_cuda else None
     key = "zero_optimization.offload_param.nvme_path"
-    needed = -(-model_numel // world) * itemsize
+    needed = -(-model_numel // world) * itemsize * (1 if _grads_stay(config) else 2)
     rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)  # its own run folder
     io = FileIO(config.aio.io_threads, config.aio.block_size)
-    return ParamShardStore(rank_dir, io, section.max_in_cpu, section.buffer_count,
+    return ShardStore(rank_dir, io, section.max_in_cpu, section.buffer_count,
                            section.pin_memory and has_cuda)
+
+
+def _grads_stay(config: ZeroConfig) -> bool:
+    """Whether gradient shards stay in memory with offload_param nvme: in mixed precision they do (the
+    step converts them to fp32 as a whole); in fp32 they go to the parameters' folder too."""
+    return PrecisionPolicy.from_config(config).mixed
+
+
+def build_grad_offload(config: ZeroConfig, param_home):
+    """The store of stage 3's gradient shards ([Note: gradient shards offloaded] in shard_store.py): with
+    offload_param nvme in fp32 training, in the parameter store's folder and I/O pool; otherwise None."""
+    if param_home is None or param_home.rank_dir is None or _grads_stay(config):
+        return None
+    section = config.zero_optimization.offload_param
+    return ShardStore(param_home.rank_dir, param_home.io, section.max_in_cpu, section.buffer_count,
+                      kind="grad", owns_files=False)
 
 
 def _ranks_on_this_disk(process_group: comm.ProcessGroup) -> int:

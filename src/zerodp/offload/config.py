@@ -70,7 +70,8 @@ class OffloadParamConfig(StrictModel):
 
     device: OffloadDevice = Field(OffloadDevice.NONE, description="none: off; cpu: parameter shards in host "
                                   "memory (same memory as no offload without a GPU); nvme: in files under "
-                                  "nvme_path, read ahead of use in the stage-3 prefetch order.")
+                                  "nvme_path, read ahead of use in the stage-3 prefetch order (in fp32 the "
+                                  "gradient shards too).")
     nvme_path: Optional[str] = Field(None, description="Directory for the files of device 'nvme'.")
     pin_memory: bool = Field(False, description="Page-lock the I/O buffers (only with a CUDA device).")
     buffer_count: int = Field(5, ge=1, description="Parameter shards that can be in flight (read or written) "
@@ -78,7 +79,7 @@ class OffloadParamConfig(StrictModel):
     buffer_size: int = Field(100_000_000, ge=1, description="Elements of one I/O buffer; must hold the "
                              "largest parameter shard.")
     max_in_cpu: int = Field(1_000_000_000, ge=0, description="Most parameter-shard elements cached in host "
-                            "memory at once (nvme).")
+                            "memory at once (nvme); in fp32, as many gradient-shard elements besides.")
 
     @model_validator(mode="after")
     def _check(self) -> "OffloadParamConfig":

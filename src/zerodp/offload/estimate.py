@@ -11,11 +11,14 @@ Parameter offload (`offload_param`, stage 3) moves this rank's parameter shard, 
 (in fp32 training it is also the master): with M = max_in_cpu,
     cpu:   host = P Ψ_r
     nvme:  disk = P Ψ_r,  host = P min(M, Ψ_r)   (the shards cached; needed ones may exceed M briefly)
+In fp32 training with nvme, the gradient shard (also P bytes per element) goes the same way
+([Note: gradient shards offloaded] in shard_store.py); in mixed precision it stays in memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ def render_offload_estimate(numel: float, world_size: int, precision_bytes: tupl
         lines.append(f"with offload_param.device={param_device} (stage 3 only): the parameter shard ({p} bytes per "
                      f"element{', also the fp32 master' if master == 0 else ''}) leaves the device (nvme: at most "
                      f"max_in_cpu={max_in_cpu:.3g} elements cached in host memory)")
+        if param_device == "nvme" and master == 0:
+            lines.append("  and, in fp32, so does the gradient shard (as many bytes, cached the same way)")
     lines += ["(without a GPU, device and host are the same memory)",
               "| stage | device (GB) | host (GB) | disk (GB) |", "|---|---|---|---|"]
     for stage in stages:
@@ -88,20 +93,26 @@ def render_offload_estimate(numel: float, world_size: int, precision_bytes: tupl
         if param_device != "none":
             tiers = predict_param_offload_bytes(shard, p, param_device, max_in_cpu)
             host, disk = host + tiers.host, disk + tiers.disk
+            if param_device == "nvme" and master == 0:  # fp32: the gradient shard goes to nvme too
+                device_bytes -= grads
+                host, disk = host + tiers.host, disk + tiers.disk
         else:
             device_bytes += params
         lines.append(f"| {stage} | {device_bytes / 1e9:.3g} | {host / 1e9:.3g} | {disk / 1e9:.3g} |")
     return "\n".join(lines)
 
 
-def offload_report_bytes(engine, numel: int, master_bytes: int, state_bytes: int) -> tuple[float, float]:
-    """(predicted host bytes of the optimizer, predicted disk bytes) of a live offloaded engine."""
+def offload_report_bytes(engine, numel: int, master_bytes: int, state_bytes: int,
+                         shard_numel: Optional[float] = None, largest_chunk: int = 0) -> tuple[float, float]:
+    """(predicted host bytes of the optimizer, predicted disk bytes) of a live offloaded engine;
+    `shard_numel`: this rank's streamed elements where they are not numel / N (whole-tensor units);
+    `largest_chunk`: a whole tensor larger than sub_group_size is a window alone, and the I/O slots grow to it."""
     zero = engine.config.zero_optimization
     section = zero.offload_optimizer
-    shard = numel / (engine.world_size if engine.stage >= 1 else 1)
+    shard = shard_numel if shard_numel is not None else numel / (engine.world_size if engine.stage >= 1 else 1)
     device = section.device.value
     tiers = predict_offload_bytes(shard, state_bytes, device, section.ratio if device == "nvme" else 1.0,
-                                  zero.sub_group_size, section.buffer_count)
+                                  max(zero.sub_group_size, largest_chunk), section.buffer_count)
     return shard * master_bytes + tiers.host, tiers.disk
 
 

@@ -44,7 +44,7 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
 
     Through ctypes rather than `tensor.numpy()`: exporting a numpy view marks the tensor's storage
     non-resizable for good, and offloaded parameter shards free and re-attach their storage
-    (offload/param_store.py). The IOHandle keeps the tensor alive while the address is in use."""
+    (offload/shard_store.py). The IOHandle keeps the tensor alive while the address is in use."""
     assert tensor.device.type == "cpu" and tensor.is_contiguous(), "offload I/O needs contiguous CPU tensors"
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:

@@ -4,7 +4,8 @@ The inner (user's) optimizer steps chunk tensors (see [Note: optimizer chunks] i
 their elementwise state (Adam's exp_avg and exp_avg_sq, SGD's momentum_buffer, ...) lives in a store
 (host memory or files) and is in `optimizer.state` only while its chunks are stepped; scalars such as
 Adam's `step` stay resident. This rank's chunks, concatenated, form one stream of `numel` elements,
-cut into windows of at most `window_numel` (zero_optimization.sub_group_size) elements.
+cut into windows of whole chunks, at most `window_numel` (zero_optimization.sub_group_size) elements
+unless one chunk alone is larger (see `chunk_numel`).
 
 [Note: offload pipeline] For window i the step does, with a pool of `buffer_count` I/O slots:
     read window i+1  ||  step window i  ||  write window i-1
@@ -12,6 +13,14 @@ so RAM holds at most buffer_count windows of state. The arithmetic is the inner 
 the same chunks with the same values, so the result is bitwise the same as without offload.
 A window whose chunks never stepped has nothing to read: the optimizer creates its state (zeros),
 which is then written like any other.
+
+[Note: whole-tensor chunks] A whole-tensor group's chunks (Muon, Adafactor: [Note: whole-tensor
+units] in optimizer.py) are whole parameters, shaped like them, and may be larger than a window:
+such a window holds that one chunk, and the I/O slots are sized for the largest window. Stepping
+a window of whole parameters is stepping those parameters, which such an optimizer does one at a
+time anyway. What streams is the state shaped like its chunk (Muon's momentum buffer, Adafactor's
+second moment of a vector); state of another shape (Adafactor's row and column moments of a
+matrix, a few elements per row and column) and scalars stay resident in `optimizer.state`.
 """
 
 from __future__ import annotations
@@ -68,8 +77,11 @@ class OffloadedOptimizerState:
         self.write_wait_s = 0.0
 
     def chunk_numel(self, default: int) -> int:
-        """Chunk size for the optimizer: a window must hold at least one chunk."""
-        return min(default, self.window_numel)
+        """Chunk size for the optimizer: the same as without offload, whatever the window. A window
+        smaller than a chunk holds that one chunk (slots are sized for the largest window). Chunking
+        the same way matters: torch's fused CPU AdamW rounds the last elements of each tensor (its
+        vector loop's tail) differently, so other chunks would change the last bits of the result."""
+        return default
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -84,6 +96,8 @@ class OffloadedOptimizerState:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = self.offsets[-1]
         self.windows = plan_windows(numels, self.window_numel)
+        # a whole-tensor chunk larger than window_numel is a window alone: see [Note: whole-tensor chunks]
+        self.slot_numel = max((w.numel for w in self.windows), default=0)
         host_windows = sum(1 for w in self.windows if w.start + w.numel <= self.host_fraction * self.numel)
         self.host_numel = self.windows[host_windows - 1].start + self.windows[host_windows - 1].numel \
             if host_windows else 0
@@ -106,7 +120,7 @@ class OffloadedOptimizerState:
         if self._free:
             return self._free.pop()
         if len(self._slots) < self.buffer_count:
-            slot = {k: torch.empty(self.window_numel, dtype=d, pin_memory=self.pin_memory)
+            slot = {k: torch.empty(self.slot_numel, dtype=d, pin_memory=self.pin_memory)
                     for k, d in self.keys.items()}
             self._slots.append(slot)
             return slot
@@ -125,7 +139,7 @@ class OffloadedOptimizerState:
             if store is not None:
                 store.ensure(key, dtype)
         for slot in self._slots:
-            slot[key] = torch.empty(self.window_numel, dtype=dtype, pin_memory=self.pin_memory)
+            slot[key] = torch.empty(self.slot_numel, dtype=dtype, pin_memory=self.pin_memory)
 
     # -- one window ----------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ def register_whole_tensor(optimizer_class: type) -> type:
         raise OptimizerError(f"register_whole_tensor takes a torch.optim.Optimizer subclass, not {optimizer_class!r}")
     if optimizer_class not in _WHOLE_TENSOR:
         _WHOLE_TENSOR.append(optimizer_class)
+    _BY_NAME.setdefault(optimizer_class.__name__.lower(), optimizer_class)  # the config's optimizer.type may name it
     return optimizer_class
 
 
@@ -150,12 +151,32 @@ def rebuild(optimizer: OptimizerLike, param_groups: list[dict[str, Any]]) -> Opt
     return rebuilt
 
 
-def resolve_optimizer(optimizer: Union[OptimizerLike, Callable, None], section, model_params) -> OptimizerLike:
-    """Turn the user's optimizer argument (instance, callable, or None with a config section) into one."""
+def build_from_sections(sections, model) -> OptimizerLike:
+    """The config's `optimizer` section, or list of sections each with its `select` (optim/selection.py)."""
+    from .selection import select_parameters
+
+    sections = sections if isinstance(sections, list) else [sections]
+    chosen = select_parameters(sections, model)
+    built = [build_from_section(s.type, s.params, params) for s, params in zip(sections, chosen)]
+    for k, member in enumerate(built):
+        if not isinstance(member, torch.optim.Optimizer):
+            raise OptimizerError(f"optimizer section {k} ({sections[k].type}) builds a {type(member).__name__}, which "
+                                 f"cannot be one of several optimizers; use it as the only section")
+    return built[0] if len(built) == 1 else OptimizerList(built)
+
+
+def resolve_optimizer(optimizer: Union[OptimizerLike, Callable, None], section, model_params,
+                      model=None) -> OptimizerLike:
+    """Turn the user's optimizer argument (instance, callable, or None with a config section) into one.
+    A list of sections, or a section with `select`, needs `model` (its parameter names and modules)."""
     if optimizer is None:
         if section is None:
             raise OptimizerError("no optimizer: pass one to zerodp.initialize(model, optimizer, config) or add an "
                                  "'optimizer': {'type': ..., 'params': {...}} section to the config")
+        if isinstance(section, list) or section.select is not None:
+            if model is None:
+                raise OptimizerError("optimizer sections with 'select' need the model to choose parameters from")
+            return build_from_sections(section, model)
         return build_from_section(section.type, section.params, model_params)
     if section is not None:
         raise OptimizerError("an optimizer was passed and the config also has an 'optimizer' section; keep one")
@@ -191,12 +212,28 @@ def whole_tensor_state_numel(optimizer, shape) -> int:
     return numel
 
 
+def streamed_state_names(optimizer, shape) -> tuple[str, ...]:
+    """Names of the state tensors one optimizer (not a list) keeps shaped like a parameter (or chunk) of
+    `shape`: what offload_optimizer streams (offload/optimizer_state.py); other state stays resident.
+    Classes without a known naming get one placeholder name per state element."""
+    inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
+    if isinstance(inner, torch.optim.Adafactor):  # factored row/column moments for matrices: not streamed
+        return ("variance",) if len(shape) < 2 else ()
+    if isinstance(inner, (torch.optim.Muon, torch.optim.SGD)):
+        return ("momentum_buffer",) if isinstance(inner, torch.optim.Muon) or inner.defaults.get("momentum") else ()
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, FusedAdam, FusedLamb)):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ())
+    return tuple(f"{type(inner).__name__}.{i}" for i in range(state_numel_per_param(inner)))
+
+
 def state_numel_per_param(optimizer: OptimizerLike) -> int:
     """Elements of per-element optimizer state the optimizer keeps (Adam: 2 moments; SGD+momentum: 1)."""
     if isinstance(optimizer, OptimizerList):  # an upper bound over its members
         return max(state_numel_per_param(m) for m in optimizer.optimizers)
     inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
     d = inner.defaults
+    if needs_whole_tensors(inner):  # Muon's momentum; an upper bound for Adafactor (whole_tensor_state_numel)
+        return 1
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, FusedAdam, FusedLamb)):
         return 3 if d.get("amsgrad") else 2
     if isinstance(inner, torch.optim.SGD):

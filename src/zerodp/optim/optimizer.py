@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 
 from .. import comm
+from ..flat.grad_shard import square_norm
 from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
 from .build import rebuild_kept
@@ -64,7 +65,7 @@ class ShardedOptimizer:
 
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
-                 sharded: bool, gradient_clipping: float, offload=None, param_home=None) -> None:
+                 sharded: bool, gradient_clipping: float, offload=None, param_home=None, grad_home=None) -> None:
         self.units = units
         self.precision = precision
         self.scaler = scaler
@@ -73,9 +74,12 @@ class ShardedOptimizer:
         self.gradient_clipping = gradient_clipping
         self.offload = offload  # offload.OffloadedOptimizerState: where elementwise state lives, or None
         self.chunk_numel = offload.chunk_numel(OPTIMIZER_CHUNK_NUMEL) if offload else OPTIMIZER_CHUNK_NUMEL
-        # offload_param (stage 3): an offload.ParamShardStore; a unit's param_shard has storage only while
+        # offload_param (stage 3): an offload.ShardStore; a unit's param_shard has storage only while
         # held resident there, so every read or write of a shard below sits in `_params_resident`
         self.param_home = param_home
+        # fp32 offload_param nvme: an offload.ShardStore holding the units' gradient shards between uses
+        # ([Note: gradient shards offloaded] in offload/shard_store.py); they are bound per part of the step
+        self.grad_home = grad_home
         self.masters: list[torch.Tensor] = []
         self.chunks: list[list[torch.Tensor]] = []
         for index, unit in enumerate(units):
@@ -86,6 +90,9 @@ class ShardedOptimizer:
                     self.masters.append(unit.param_shard)  # alias: updating the master updates the model
                 self.chunks.append(self._split(unit, self.masters[-1]))  # views: made while resident
         self.whole = [unit.layout.whole_tensors for unit in units]  # see [Note: whole-tensor units]
+        self.param_offsets = [0]  # where each unit's parameters start in the flags of `received`
+        for unit in units:
+            self.param_offsets.append(self.param_offsets[-1] + len(unit.layout.shapes))
         self._unit_of_chunk = {id(c): i for i, chunks in enumerate(self.chunks) for c in chunks}
         groups = [dict(settings, params=[]) for settings in group_settings]
         for unit, chunks in zip(units, self.chunks):
@@ -227,8 +234,12 @@ class ShardedOptimizer:
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
-        for g in grads:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+        for unit, g in zip(self.units, grads):
+            if self.grad_home is not None and self.grad_home.holds(g):  # offloaded: kept from its delivery
+                if unit.grads.sq_norm is not None:  # None: zero since the last step
+                    sq += unit.grads.sq_norm
+                continue
+            sq += square_norm(g)
         if self.sharded:
             comm.all_reduce(sq, self.process_group, tag="norm")
         return math.sqrt(float(sq))
@@ -257,21 +268,17 @@ class ShardedOptimizer:
             # the same on every rank (the norm is global): see nonfinite.py
             self.last_step_skipped = True
             return StepOutcome.NONFINITE
+        self._clip = 1.0
         if self.gradient_clipping > 0:
             coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
             if coef < 1.0:
+                self._clip = coef  # offloaded gradient shards are scaled as they are bound (_bind_grads)
                 for g in grads:
-                    g.mul_(coef)
-        offset = 0
-        for unit, chunks, g, whole in zip(self.units, self.chunks, grads, self.whole):
-            if not whole:
-                for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
-                    chunk.grad = g_chunk
-            else:  # shaped like the parameter; None where no rank produced a gradient (torch skips it)
-                for seg, chunk in zip(unit.layout.segments(unit.shard_index), chunks):
-                    got = received is None or bool(received[offset + seg.param_index])
-                    chunk.grad = g[seg.shard_start:seg.shard_start + seg.numel].view(chunk.shape) if got else None
-            offset += len(unit.layout.shapes)
+                    if self.grad_home is None or not self.grad_home.holds(g):
+                        g.mul_(coef)
+        for index, g in enumerate(grads):
+            if self.grad_home is None or not self.grad_home.holds(g):
+                self._bind_grads(index, g, received)
         if self.offload is None and self.param_home is None:
             self._step_chunks(received, None)
         elif self.offload is None:  # offload_param: one unit's shard in memory at a time
@@ -290,15 +297,45 @@ class ShardedOptimizer:
         self.last_step_skipped = False
         return StepOutcome.STEPPED
 
+    def _bind_grads(self, index: int, g: torch.Tensor, received: Optional[torch.Tensor]) -> None:
+        """Give unit `index`'s chunks their gradients: views of `g`, this unit's gradient shard (or, for
+        an offloaded shard, clipped copies: the stored shard stays as reduced)."""
+        unit, chunks = self.units[index], self.chunks[index]
+        if self.grad_home is not None and self.grad_home.holds(g):
+            clip = self._clip
+            for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
+                chunk.grad = g_chunk.mul(clip) if clip < 1.0 else g_chunk
+            return
+        if not unit.layout.whole_tensors:
+            for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
+                chunk.grad = g_chunk
+            return
+        # shaped like the parameter; None where no rank produced a gradient (torch skips it)
+        offset = self.param_offsets[index]
+        for seg, chunk in zip(unit.layout.segments(unit.shard_index), chunks):
+            got = received is None or bool(received[offset + seg.param_index])
+            chunk.grad = g[seg.shard_start:seg.shard_start + seg.numel].view(chunk.shape) if got else None
+
     def _step_resident(self, received: Optional[torch.Tensor], window: list) -> None:
         """Step `window`'s chunks with their parameter shards resident (fp32 offload_param: the chunks are
-        views of them, and the step writes them)."""
+        views of them, and the step writes them), and their gradient shards when those are offloaded."""
         if self.param_home is None or self.precision.mixed:
             self._step_chunks(received, window)
             return
         indices = sorted({self._unit_of_chunk[id(c)] for c in window})
-        with self._params_resident(indices, dirty=True):
+        if self.grad_home is None:
+            with self._params_resident(indices, dirty=True):
+                self._step_chunks(received, window)
+            return
+        offloaded = [i for i in indices if self.grad_home.holds(self.units[i].grad_shard)]
+        with self._params_resident(indices, dirty=True), \
+                self.grad_home.resident([self.units[i].grad_shard for i in offloaded]):
+            for i in offloaded:
+                self._bind_grads(i, self.units[i].grad_shard, received)
             self._step_chunks(received, window)
+            for i in offloaded:  # the shards may be evicted after this block: no view of them may remain
+                for chunk in self.chunks[i]:
+                    chunk.grad = None
 
     def _step_chunks(self, received: Optional[torch.Tensor], window: Optional[list]) -> None:
         """Step the inner optimizer over `window`'s chunks (None: all chunks)."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import comm
 from ..config import ZeroConfig
-from ..offload.build import build_param_offload
+from ..offload.build import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit
 from .module_unit import ModuleUnit
 from .params import owner_of
@@ -45,8 +45,11 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     # offload_param: where sharded units' parameter shards live between uses (None: with the unit)
     param_home = build_param_offload(config, sum(p.numel() for p in params), params[0].element_size(),
                                      max(p.numel() for p in params), process_group)
+    grad_home = build_grad_offload(config, param_home)  # fp32 offload_param nvme: the gradient shards too
     flats: list[FlatUnit] = []
     owned_by_unit: list[tuple] = []
+    # whole-tensor units are balanced across units: each on top of the elements ranks own in earlier ones
+    owner_loads = (0,) * shards.world
     for plan in plans:
         buckets: dict[tuple, tuple[list, list]] = {}
         for p, name in zip(plan.params, plan.names):
@@ -61,7 +64,10 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
         for (group_index, persistent, _, _), (ps, ns) in buckets.items():
             flat = FlatUnit(ps, ns, group_index, shards, index=len(flats), module_name=plan.name or "<root>",
                             trainable=group_index >= 0, persistent=persistent,
-                            whole_tensors=group_index >= 0 and whole[group_index], param_home=param_home)
+                            whole_tensors=group_index >= 0 and whole[group_index], owner_loads=owner_loads,
+                            param_home=param_home, grad_home=grad_home)
+            if flat.layout.whole_tensors:
+                owner_loads = flat.layout.loads_after
             flats.append(flat)
             owned.append(flat)
         if owned or plan.module is model:
@@ -77,4 +83,5 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     schedule = Schedule(flats, shards, prefetch_numel, zero.stage3_max_live_parameters)
     module_units = [ModuleUnit(plan.module, plan.name, owned, schedule, is_root=plan.module is model)
                     for plan, owned in owned_by_unit]
-    return Stage3Sharding(model, module_units, flats, shards, schedule, zero.overlap_comm, param_home=param_home)
+    return Stage3Sharding(model, module_units, flats, shards, schedule, zero.overlap_comm, param_home=param_home,
+                          grad_home=grad_home)

@@ -5,6 +5,7 @@ only this rank's slice persistently:
 
     param_shard  shard_numel elements, param dtype   the real storage of this rank's parameters
     grad_shard   shard_numel elements, param dtype   reduced, rank-averaged gradient, accumulated
+                 (whole-tensor units: shard_size(rank), the tensors this rank owns, no padding)
     gathered     padded_numel elements               allocated only while the unit is gathered
     grad_full    padded_numel elements               allocated only between a unit's first
                                                      gradient of a micro-step and its reduction
@@ -53,7 +54,7 @@ class FlatUnit:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int, shards: ShardGroup, *,
                  index: int, module_name: str, trainable: bool, persistent: bool,
-                 whole_tensors: bool = False, param_home=None) -> None:
+                 whole_tensors: bool = False, owner_loads=None, param_home=None, grad_home=None) -> None:
         if not params:
             raise ValueError("a FlatUnit needs at least one parameter")
         self.params = params
@@ -64,7 +65,11 @@ class FlatUnit:
         self.module_name = module_name   # the module unit whose forward gathers this unit
         self.trainable = trainable
         self.persistent = persistent
-        self.layout = layout_of([p.shape for p in params], shards.world, whole_tensors)
+        # whole tensors: unpadded shards of unequal sizes, balanced on top of `owner_loads` (the elements each
+        # rank owns in earlier units; flat/whole_tensor_layout.py's UnpaddedWholeTensorLayout)
+        self.layout = layout_of([p.shape for p in params], shards.world, whole_tensors, owner_loads)
+        # each rank's range of the flat buffer where shards differ in size (None: equal shards)
+        self._ranges = None if self.layout.even_shards else self.layout.shard_ranges()
         self.shard_index = shards.rank
         first = params[0]
         dtype, device = first.dtype, first.device
@@ -83,12 +88,13 @@ class FlatUnit:
         self.param_shard = own if persistent else own.clone()
         for p, view in zip(params, self.gathered.views()):
             p.data = view  # forever: see [Note: partitioned parameters]
-        # Frozen units have no gradient storage at all.
+        # Frozen units have no gradient storage at all; a sharded unit's may live in `grad_home` (an
+        # offload.ShardStore, see [Note: gradient shards offloaded]) between uses.
         self.grads: Optional[GradShard] = GradShard(
             params, self.layout, self.shard_index, shards.world, self._reduce, keep_full=False,
-            name=f"{module_name}[{index}]") if trainable else None
+            name=f"{module_name}[{index}]", home=None if persistent or whole_tensors else grad_home) if trainable else None
         self._gather_handle = None
-        # offload_param: an offload.ParamShardStore that param_shard's storage lives in between uses, or None
+        # offload_param: an offload.ShardStore that param_shard's storage lives in between uses, or None
         self.param_home = param_home
         self.holders = 0                 # module units (and gathered_parameters blocks) using the values now
         self.state = ShardState.GATHERED
@@ -129,7 +135,8 @@ class FlatUnit:
             return
         if self.param_home is not None:  # offload_param: the shard is read in (or ahead) before it is sent
             self.param_home.acquire(self.param_shard)
-        self._gather_handle = self.shards.unshard(self.gathered.tensor, self.param_shard, what=self.describe())
+        self._gather_handle = self.shards.unshard(self.gathered.tensor, self.param_shard, what=self.describe(),
+                                                  ranges=self._ranges)
         self.state = ShardState.GATHERING
 
     def wait_for_unshard(self) -> None:
@@ -184,7 +191,7 @@ class FlatUnit:
 
     def _reduce(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> comm.Handle:
         # on the shard group's reduce communicator and stream; always asynchronous there
-        return self.shards.reduce_scatter(output, full, what=self.describe())
+        return self.shards.reduce_scatter(output, full, what=self.describe(), ranges=self._ranges)
 
     def zero_grad(self) -> None:
         """Forget gradients after an optimizer step (or a skipped one)."""
@@ -193,6 +200,9 @@ class FlatUnit:
     def after_step_gather(self):
         """Persistent units: start gathering the updated shards into the full parameters; returns the handle."""
         assert self.persistent
+        if self._ranges is not None:
+            return comm.all_gather_uneven(self.gathered.tensor, self.param_shard, self._ranges,
+                                          self.shards.process_group, async_op=True, tag="param")
         return comm.all_gather(self.gathered.tensor, self.param_shard, self.shards.process_group,
                                async_op=True, tag="param")
 

@@ -72,7 +72,7 @@ class _InitShard:
         self.whole = False
 
     def _resident(self, dirty: bool = False):
-        """offload_param: hold the slice in memory for a block (offload/param_store.py)."""
+        """offload_param: hold the slice in memory for a block (offload/shard_store.py)."""
         home = self.ctx.param_home
         return contextlib.nullcontext() if home is None else home.resident([self.shard], dirty=dirty)
 
@@ -132,7 +132,7 @@ class _InitShard:
 class _InitContext:
     def __init__(self, group: comm.ProcessGroup, threshold: int, dtype: torch.dtype, param_home=None) -> None:
         self.group = group
-        # offload_param: an offload.ParamShardStore holding the slices until the engine takes them over
+        # offload_param: an offload.ShardStore holding the slices until the engine takes them over
         self.param_home = param_home
         self.rank = comm.get_rank(group)
         self.world = comm.get_world_size(group)

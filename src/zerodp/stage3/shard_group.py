@@ -73,36 +73,49 @@ class ShardGroup:
         self.live_numel = 0       # elements of gathered buffers allocated right now (persistent units excluded)
         self.peak_live_numel = 0
 
-    def unshard(self, full: torch.Tensor, shard: torch.Tensor, what: str = ""):
-        """Allocate `full` and all-gather every rank's `shard` into it; returns a handle to wait on."""
+    def unshard(self, full: torch.Tensor, shard: torch.Tensor, what: str = "", ranges=None):
+        """Allocate `full` and all-gather every rank's `shard` into it; returns a handle to wait on.
+        `ranges`: each rank's range of `full` where shards differ in size (None: equal shards)."""
         self.live_numel += full.numel()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         if self.gather_stream is None:
             alloc_storage(full, full.numel())
-            return comm.all_gather(full, shard, self.process_group, async_op=True, tag="param", what=what)
+            return self._all_gather(full, shard, ranges, async_op=True, what=what)
         stream = self.gather_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             alloc_storage(full, full.numel())  # memory from the gather stream's pool
             # NCCL queues the op after `stream` and makes `stream` wait for it; the host does not block
-            comm.all_gather(full, shard, self.process_group, async_op=False, tag="param", what=what)
+            self._all_gather(full, shard, ranges, async_op=False, what=what)
             event = stream.record_event()
         return _StreamHandle(event, consumed=full)
+
+    def _all_gather(self, full, shard, ranges, async_op: bool, what: str):
+        if ranges is None:
+            return comm.all_gather(full, shard, self.process_group, async_op=async_op, tag="param", what=what)
+        return comm.all_gather_uneven(full, shard, ranges, self.process_group, async_op=async_op, tag="param",
+                                      what=what)
+
+    def _reduce_scatter(self, output, full, ranges, async_op: bool, what: str):
+        if ranges is None:
+            return comm.reduce_scatter(output, full, self.reduce_group, async_op=async_op, tag="grad",
+                                       use_all_reduce=self.use_all_reduce, what=what)
+        return comm.reduce_scatter_uneven(output, full, ranges, self.reduce_group, async_op=async_op, tag="grad",
+                                          use_all_reduce=self.use_all_reduce, what=what)
 
     def on_resharded(self, full: torch.Tensor) -> None:
         """Account for a gathered buffer whose storage was just released."""
         self.live_numel -= full.numel()
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str = ""):
-        """Sum `full` over ranks into this rank's slice `output`; returns a handle to wait on."""
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str = "", ranges=None):
+        """Sum `full` over ranks into this rank's slice `output`; returns a handle to wait on.
+        `ranges`: as in `unshard`."""
         if self.reduce_stream is None:
-            return comm.reduce_scatter(output, full, self.reduce_group, async_op=True, tag="grad",
-                                       use_all_reduce=self.use_all_reduce, what=what)
+            return self._reduce_scatter(output, full, ranges, async_op=True, what=what)
         stream = self.reduce_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            comm.reduce_scatter(output, full, self.reduce_group, async_op=False, tag="grad",
-                                use_all_reduce=self.use_all_reduce, what=what)
+            self._reduce_scatter(output, full, ranges, async_op=False, what=what)
             event = stream.record_event()
         full.record_stream(stream)  # allocated on the compute stream, read on this one
         return _StreamHandle(event, consumed=None)

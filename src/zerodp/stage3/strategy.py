@@ -65,9 +65,11 @@ class Stage3Sharding:
     reduces_every_micro_step = True  # gradients are sharded: reduce after every micro-step
 
     def __init__(self, model: nn.Module, module_units: list[ModuleUnit], flats: list[FlatUnit],
-                 shards: ShardGroup, schedule: Schedule, overlap_comm: bool = True, param_home=None) -> None:
+                 shards: ShardGroup, schedule: Schedule, overlap_comm: bool = True, param_home=None,
+                 grad_home=None) -> None:
         self.module = model
-        self.param_home = param_home  # offload_param: offload.ParamShardStore of the sharded units' shards, or None
+        self.param_home = param_home  # offload_param: offload.ShardStore of the sharded units' shards, or None
+        self.grad_home = grad_home    # ... and of their gradient shards (fp32 offload_param nvme), or None
         self.max_inflight = _MAX_INFLIGHT if overlap_comm else 0
         self.module_units = module_units
         self.root = module_units[0]

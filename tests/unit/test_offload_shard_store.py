@@ -1,4 +1,4 @@
-"""ParamShardStore (offload/param_store.py) without a process group: bytes round-trip bitwise through
+"""ShardStore (offload/shard_store.py) without a process group: bytes round-trip bitwise through
 the files, at most max_in_cpu elements stay resident, dirty shards are written before they are freed,
 views made while resident see the values read back later, read-ahead follows the last step's order,
 and the rank folder goes on close."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 
 from zerodp.offload.file_io import FileIO
-from zerodp.offload.param_store import ParamShardStore, ShardHome
+from zerodp.offload.shard_store import ShardStore, ShardHome
 from zerodp.offload.run_dir import RankDir
 
 
-def make_store(tmp_path, max_in_cpu: int, buffer_count: int = 2) -> ParamShardStore:
-    return ParamShardStore(RankDir(str(tmp_path), "unit", 0), FileIO(2, 4096), max_in_cpu, buffer_count)
+def make_store(tmp_path, max_in_cpu: int, buffer_count: int = 2) -> ShardStore:
+    return ShardStore(RankDir(str(tmp_path), "unit", 0), FileIO(2, 4096), max_in_cpu, buffer_count)
 
 
 def shards(n: int, numel: int = 1000) -> list[torch.Tensor]:
@@ -21,7 +21,7 @@ def shards(n: int, numel: int = 1000) -> list[torch.Tensor]:
     return [torch.randn(numel, generator=g) for _ in range(n)]
 
 
-def state(store: ParamShardStore, shard: torch.Tensor) -> ShardHome:
+def state(store: ShardStore, shard: torch.Tensor) -> ShardHome:
     return store.entries[id(shard)].state
 
 
@@ -109,9 +109,41 @@ def test_estimate_with_parameter_offload_moves_the_shard_to_disk_and_the_cache_t
     from zerodp.offload.estimate import predict_param_offload_bytes, render_offload_estimate
 
     # fp32 Adam, 3e9 parameters on 2 ranks: the 4-byte shard (also the master) goes to disk; the host
-    # keeps max_in_cpu elements of it plus buffer_count optimizer windows; the device keeps the gradients
+    # keeps max_in_cpu elements of it plus buffer_count optimizer windows; in fp32 the gradient shard
+    # goes the same way as the parameter shard, so nothing stays on the device
     table = render_offload_estimate(3e9, 2, (4, 4, 8), 2, "nvme", (1, 3), 1e7, 4, "nvme", 2e8)
     assert "| 1 | offload_param needs stage 3 | | |" in table
-    assert "| 3 | 6 | 1.12 | 18 |" in table  # device 4 x 1.5e9; host 4 x 2e8 + 4 x 1e7 x 8; disk 12 x 1.5e9
+    # host 4 x 2e8 (parameters) + 4 x 1e7 x 8 (windows) + 4 x 2e8 (gradients); disk (12 + 4) x 1.5e9
+    assert "| 3 | 0 | 1.92 | 24 |" in table
+    # bf16 (2-byte parameters and gradients, 4-byte master): the gradient shard stays on the device
+    table = render_offload_estimate(3e9, 2, (2, 2, 12), 2, "nvme", (3,), 1e7, 4, "nvme", 2e8)
+    assert "| 3 | 9 | 0.72 | 15 |" in table  # device 2 x 1.5e9 + 4 x 1.5e9; host 2 x 2e8 + 0.32e9; disk
     assert predict_param_offload_bytes(1e6, 2, "nvme", 1e9).host == 2e6  # the cache never exceeds the shard
     assert predict_param_offload_bytes(1e6, 4, "cpu").disk == 0
+
+
+def test_zero_shards_are_never_read_and_their_zeros_reach_the_file(tmp_path):
+    """A gradient store's shards start as zeros and are zeroed after every step (GradShard.zero_grad):
+    that costs no I/O, acquiring a zero shard gives zeros, and once changed they are written back."""
+    store = ShardStore(RankDir(str(tmp_path), "unit", 0), FileIO(2, 4096), 1000, 2, kind="grad")
+    a, b = shards(2)
+    store.adopt(a, zeros=True)
+    store.adopt(b, zeros=True)
+    assert store.resident_numel == 0 and store.io.written_bytes == 0
+    assert (tmp_path / "zerodp-unit" / "rank0" / "grad0.values.bin").exists()  # files named by the kind
+    with store.resident([a], dirty=True):
+        assert torch.equal(a, torch.zeros(1000))
+        a.add_(2.0)
+    assert store.io.read_bytes == 0
+    with store.resident([b]):  # evicts a: written, although b was only read (its zeros are dirty too)
+        assert torch.equal(b, torch.zeros(1000))
+    with store.resident([a]):
+        assert torch.equal(a, torch.full((1000,), 2.0))  # read back from the file
+    reads = store.io.read_bytes
+    store.zero(a)
+    store.zero(b)
+    assert store.resident_numel == 0
+    with store.resident([a]):
+        assert torch.equal(a, torch.zeros(1000))  # not the file's 2.0: zero() made the file stale
+    assert store.io.read_bytes == reads
+    store.close()

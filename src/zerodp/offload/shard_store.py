@@ -1,4 +1,7 @@
-"""Stage-3 parameter shards that live off the compute memory (`offload_param`): `ParamShardStore`.
+"""Stage-3 shards that live off the compute memory: `ShardStore`.
+
+One store holds the parameter shards (`offload_param`); with nvme offload of fp32 parameters a second
+one holds the gradient shards too ([Note: gradient shards offloaded] below).
 
 Each sharded (non-persistent) stage-3 flat unit's `param_shard` keeps its shape and every view of it
 forever (the optimizer's chunks of the fp32 master are views of it: optimizer.py), but its *storage*
@@ -25,6 +28,17 @@ step's unit order; it repeats every optimizer step. The store records it (`trace
 is acquired, starts reading the shards that followed it last step, at most `buffer_count` reads in
 flight and within `max_in_cpu`; so a gather finds its shard already read. A different order later
 only wastes a read. Reads are local (no collective), so ranks need not agree on any of this.
+
+[Note: gradient shards offloaded] In fp32 training with offload_param nvme, a stage-3 unit's reduced
+gradient shard is as large as its parameter shard (4 bytes x Ψ/N: 6.1 GB per rank for 3e9 parameters
+on 2 ranks), and would be the largest thing left in memory. A second store (`kind="grad"`) holds them:
+    GradShard._deliver        acquire / add the reduced slice / release(dirty=True)
+    ShardedOptimizer          resident(grad shards) beside the parameter shards, per part of the step
+    GradShard.zero_grad       `zero(shard)`: the values become zeros without any I/O
+A shard known to be zero (`Entry.zero`) is never read: acquiring it allocates zeros, and those are
+dirty, so it is written before it is ever dropped. Zero shards are not read ahead (that would only
+hold memory early). The optimizer does not read a gradient shard to learn its norm: GradShard keeps
+each shard's square norm from its last delivery (flat/grad_shard.py).
 """
 
 from __future__ import annotations
@@ -70,20 +84,23 @@ class _Entry:
         self.users = 0
         self.dirty = False
         self.handle: IOHandle = DONE
+        self.zero = False   # the values are all zeros, whatever the backing store holds
         self.staging: Optional[torch.Tensor] = None  # host copy of a GPU shard while its I/O is in flight
 
     def to(self, state: ShardHome) -> None:
-        assert state in _ALLOWED[self.state], f"parameter shard {self.index}: {self.state.name} -> {state.name}"
+        assert state in _ALLOWED[self.state], f"shard {self.index}: {self.state.name} -> {state.name}"
         self.state = state
 
 
-class ParamShardStore:
-    """Where this rank's stage-3 parameter shards live; see the module docstring."""
+class ShardStore:
+    """Where this rank's stage-3 parameter (or gradient) shards live; see the module docstring."""
 
     def __init__(self, rank_dir: Optional[RankDir], io: Optional[FileIO], max_in_cpu: int, buffer_count: int,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, kind: str = "param", owns_files: bool = True) -> None:
         self.rank_dir = rank_dir       # None: backed by host memory (device cpu with a GPU)
         self.io = io
+        self.kind = kind               # "param" or "grad": names the files
+        self.owns_files = owns_files   # close() also closes `io` and `rank_dir` (a grad store shares them)
         self.max_in_cpu = max_in_cpu
         self.buffer_count = buffer_count
         self.pin_memory = pin_memory
@@ -104,31 +121,47 @@ class ParamShardStore:
     def holds(self, shard: torch.Tensor) -> bool:
         return id(shard) in self.entries
 
-    def adopt(self, shard: torch.Tensor) -> None:
+    def adopt(self, shard: torch.Tensor, zeros: bool = False) -> None:
         """Take over `shard` (resident now, its values final): write it to its backing store, then
-        keep it cached only while there is room."""
+        keep it cached only while there is room. `zeros`: its values are zeros; nothing is written."""
         assert id(shard) not in self.entries
         index = self._adopted
         self._adopted += 1
         if self.rank_dir is not None:
-            backing = FileStore(self.rank_dir, shard.numel(), self.io, prefix=f"param{index}.")
+            backing = FileStore(self.rank_dir, shard.numel(), self.io, prefix=f"{self.kind}{index}.")
         else:
             backing = HostStore(shard.numel(), self.pin_memory)
         backing.ensure("values", shard.dtype)
         entry = _Entry(index, shard, backing)
         self.entries[id(shard)] = entry
         self._count(entry.numel)
+        if zeros:
+            self.zero(shard)
+            return
         self.lru[id(shard)] = None
         entry.dirty = True
         if not self._make_room(0, protect=(id(shard),)):  # older shards go first
             self._make_room(0, protect=())
+
+    def zero(self, shard: torch.Tensor) -> None:
+        """`shard`'s values are now zeros: its memory goes without a write ([Note: gradient shards offloaded])."""
+        entry = self.entries[id(shard)]
+        assert entry.users == 0, f"zeroing {self.kind} shard {entry.index} while it is held"
+        if entry.state in (ShardHome.READING, ShardHome.WRITING):
+            entry.handle.wait()
+            entry.handle = DONE
+            entry.state = ShardHome.RESIDENT  # its I/O is over; the values no longer matter
+        if entry.state is ShardHome.RESIDENT:
+            self.lru.pop(id(shard), None)
+            self._drop(entry)
+        entry.dirty, entry.zero = False, True
 
     def discard(self, shard: torch.Tensor) -> None:
         """Forget `shard`, whose values are no longer needed: its file and its memory go."""
         entry = self.entries.pop(id(shard), None)
         if entry is None:
             return
-        assert entry.users == 0, f"discarding parameter shard {entry.index} while it is held"
+        assert entry.users == 0, f"discarding {self.kind} shard {entry.index} while it is held"
         if entry.state in (ShardHome.READING, ShardHome.WRITING):
             entry.handle.wait()
         if entry.state is not ShardHome.OFFLOADED:
@@ -138,7 +171,7 @@ class ParamShardStore:
         self.lru.pop(id(shard), None)
         entry.backing.close()
         if self.rank_dir is not None:
-            self.rank_dir.path_of(f"param{entry.index}.values.bin").unlink(missing_ok=True)
+            self.rank_dir.path_of(f"{self.kind}{entry.index}.values.bin").unlink(missing_ok=True)
 
     # -- the three calls ------------------------------------------------------------------------
 
@@ -209,6 +242,10 @@ class ParamShardStore:
         entry.to(ShardHome.READING)
         alloc_storage(entry.shard, entry.numel)
         self._count(entry.numel)
+        if entry.zero:  # nothing to read; the zeros are newer than the file ([Note: gradient shards offloaded])
+            entry.shard.zero_()
+            entry.zero, entry.dirty, entry.handle = False, True, DONE
+            return
         target = entry.shard if entry.shard.device.type == "cpu" else self._staging(entry)
         entry.handle = entry.backing.read("values", 0, target)
 
@@ -250,7 +287,7 @@ class ParamShardStore:
         entry.handle = DONE
         entry.to(ShardHome.OFFLOADED)
         if not entry.shard.untyped_storage().resizable():
-            raise RuntimeError(f"zerodp offload_param: parameter shard {entry.index}'s memory was exported (e.g. by "
+            raise RuntimeError(f"zerodp offload_param: {self.kind} shard {entry.index}'s memory was exported (e.g. by "
                                f".numpy() on a shard or a view of it) and can no longer be freed; read shards "
                                f"through torch only (clone them before converting)")
         free_storage(entry.shard)
@@ -310,7 +347,7 @@ class ParamShardStore:
             if in_flight >= self.buffer_count:
                 return
             entry = self.entries[key]
-            if key in seen or entry.state is not ShardHome.OFFLOADED:
+            if key in seen or entry.state is not ShardHome.OFFLOADED or entry.zero:
                 seen.add(key)
                 continue
             seen.add(key)
@@ -357,8 +394,9 @@ class ParamShardStore:
                 entry.handle.wait()  # never close a file a worker thread still reads or writes
             entry.backing.close()
         self.lru.clear()
-        if self.io is not None:
-            self.io.close()
-        if self.rank_dir is not None:
-            self.rank_dir.close()
+        if self.owns_files:
+            if self.io is not None:
+                self.io.close()
+            if self.rank_dir is not None:
+                self.rank_dir.close()
         self.closed = True

@@ -1,0 +1,48 @@
+"""A list of optimizer sections in the config (Muon on the matrices, AdamW on the rest, chosen by
+`select`) trains exactly like plain single-process PyTorch with the same two optimizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerodp
+from tests.dist.whole_tensor_common import (
+    config,
+    make_gpt,
+    reference_run,
+    register,
+    train,
+)
+
+STEPS = 3
+SECTIONS = [
+    {"type": "MuonFP32", "select": "matrices",  # registered by name (whole_tensor_common.register)
+     "params": {"lr": 0.05, "weight_decay": 0.01, "momentum": 0.9, "ns_coefficients": [1.5, -0.5, 0.0]}},
+    {"type": "AdamW", "select": "rest", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+]
+
+
+def sections_run(stage: int, units: list) -> tuple[list[float], dict, list[str]]:
+    import torch.distributed as dist
+
+    register()
+    cfg = config(stage, dist.get_world_size(), stage3_unit_modules=units)
+    cfg["optimizer"] = SECTIONS
+    engine = zerodp.initialize(make_gpt(), config=cfg)
+    losses = train(engine, 0, STEPS)
+    return losses, engine.full_state_dict(rank0_only=False), [type(o).__name__ for o in engine.user_optimizer.optimizers]
+
+
+@pytest.mark.parametrize("stage, units", [(1, []), (3, ["Block"])])
+def test_config_optimizer_list_parity(dist_run, stage, units):
+    ref_losses, ref_params = reference_run("muon_fp32", STEPS)  # MuonFP32(blocks' matrices) + AdamW(rest)
+    for rank, (losses, params, kinds) in enumerate(dist_run(2, sections_run, stage, units)):
+        assert kinds == ["MuonFP32", "AdamW"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"rank {rank} losses differ: {m}")
+        for key, ref in ref_params.items():
+            torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {key} differs: {m}")
+    init = make_gpt().state_dict()
+    assert max((ref_params[k] - init[k]).abs().max().item() for k in init) > 1e-2  # it trained
