@@ -39,7 +39,7 @@ clean:
 	rm -rf $(VENV) runs
 
 # A 3e9-parameter GPT at stage 3 with nvme offload of optimizer and parameters on 2 CPU ranks (3 steps);
-# not part of `make test`. NVME must be a directory on a fast local disk with ~37 GB free.
+# not part of `make test`. NVME must be a directory on a fast local disk with ~50 GB free (24.6 GB per rank).
 NVME ?= /tmp
 bench-offload: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 -m zerodp.bench.big_offload --nvme-path $(NVME) --size 3b --steps 3
