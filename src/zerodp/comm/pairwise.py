@@ -25,8 +25,9 @@ import torch.distributed as dist
 _TAG = 0x5A  # see [Note: pairwise order]
 
 
-class PairwiseWork:
-    """The sends and receives of one exchange; `wait()` waits for all of them (a `dist.Work` stand-in)."""
+class Works:
+    """Several asynchronous operations waited on as one (a `dist.Work` stand-in): the sends and
+    receives of one exchange here, the per-owner collectives of comm/uneven.py."""
 
     def __init__(self, works: list) -> None:
         self._works = works
@@ -59,4 +60,4 @@ def exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, ra
         for k in range(len(peers)):  # own slice first, then the peers' in rank order
             output.add_(received[k])
 
-    return PairwiseWork(works), finish
+    return Works(works), finish

@@ -33,17 +33,7 @@ from .collectives import (
     get_rank,
     skips_collectives,
 )
-
-
-class _Works:
-    """Several asynchronous collectives waited on as one."""
-
-    def __init__(self, works: list) -> None:
-        self._works = works
-
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+from .pairwise import Works
 
 
 def _check(buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], what: str) -> None:
@@ -72,7 +62,7 @@ def all_gather_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Sequenc
     entry = _log("all_gather", "broadcast", output, tag, group, what)
     works = [dist.broadcast(output[a:b], src=_global(group, r), group=group, async_op=True)
              for r, (a, b) in enumerate(ranges) if b > a]
-    return _finish(_Works(works), None, async_op, entry)
+    return _finish(Works(works), None, async_op, entry)
 
 
 def reduce_scatter_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Sequence[tuple[int, int]],
@@ -101,4 +91,4 @@ def reduce_scatter_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Seq
     entry = _log("reduce_scatter", "reduce", input, tag, group, what)
     works = [dist.reduce(input[a:b], dst=_global(group, r), group=group, async_op=True)
              for r, (a, b) in enumerate(ranges) if b > a]
-    return _finish(_Works(works), keep_slice, async_op, entry)
+    return _finish(Works(works), keep_slice, async_op, entry)
