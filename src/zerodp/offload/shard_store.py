@@ -35,10 +35,8 @@ on 2 ranks), and would be the largest thing left in memory. A second store (`kin
     GradShard._deliver        acquire / add the reduced slice / release(dirty=True)
     ShardedOptimizer          resident(grad shards) beside the parameter shards, per part of the step
     GradShard.zero_grad       `zero(shard)`: the values become zeros without any I/O
-A shard known to be zero (`Entry.zero`) is never read: acquiring it allocates zeros, and those are
-dirty, so it is written before it is ever dropped. Zero shards are not read ahead (that would only
-hold memory early). The optimizer does not read a gradient shard to learn its norm: GradShard keeps
-each shard's square norm from its last delivery (flat/grad_shard.py).
+A zero shard (`Entry.zero`) is never read or read ahead: acquiring it allocates zeros, which are
+dirty (written before dropped). The step learns norms from GradShard.sq_norm, not by reading shards.
 """
 
 from __future__ import annotations
