@@ -81,6 +81,23 @@ def micro_batch(step: int, micro: int, rank: int, world: int, micro_bs: int, gas
     return x[lo:lo + micro_bs], y[lo:lo + micro_bs]
 
 
+def assert_matches_reference(rank: int, losses, params: dict, ref_losses, ref_params: dict, what: str = "") -> None:
+    """One rank's losses and parameters equal the plain-PyTorch reference's, up to fp32 summation
+    order (rtol 1e-5; parameters also atol 1e-6 for values near zero). `what` names the case."""
+    where = f"rank {rank}{' ' + what if what else ''}"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                               msg=lambda m: f"{where}: losses differ: {m}")
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{where}: {key} differs: {m}")
+
+
+def assert_trained(ref_params: dict, init: dict, by: float = 1e-2) -> None:
+    """The reference moved some parameter by more than `by`: the comparison is not between two
+    untrained models."""
+    assert max((ref_params[k] - init[k]).abs().max().item() for k in init) > by, "the reference did not train"
+
+
 def reference_run(opt_name: str, steps: int, rows: int, clip: float) -> tuple[list[float], dict]:
     """Plain PyTorch, one process, the global batch: the losses of each step and the final params."""
     model = make_model()

@@ -5,10 +5,9 @@ collectives are really issued to torch.distributed instead of being skipped."""
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from tests.dist.common import reference_run, zerodp_run
+from tests.dist.common import assert_matches_reference, reference_run, zerodp_run
 from zerodp import comm
 from zerodp.comm import collectives
 
@@ -58,9 +57,7 @@ def train_with_real_collectives(stage: int, real: bool):
 def test_world_size_1_with_real_collectives_matches_pytorch(dist_run, world, stage):
     [(losses, params, issued)] = dist_run(world, train_with_real_collectives, stage, True)
     ref_losses, ref_params = reference_run("adamw", STEPS, MICRO_BS * GAS, CLIP)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_matches_reference(0, losses, params, ref_losses, ref_params)
     [(skipped_losses, _, skipped)] = dist_run(world, train_with_real_collectives, stage, False)
     assert skipped_losses == losses  # the switch changes which calls run, never the result
     # with the switch off only the test's own loss average (one all_reduce per step) reaches torch

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zerodp
+from tests.dist.common import assert_matches_reference, assert_trained
 from tests.dist.whole_tensor_common import config, make_gpt, make_optimizers, reference_run, register, train
 
 STEPS = 4
@@ -33,13 +34,8 @@ def test_whole_tensor_parity_fp32(dist_run, world, stage, name):
     register()
     ref_losses, ref_params = reference_run(name, STEPS)
     for rank, (losses, params) in enumerate(dist_run(world, zerodp_run, stage, name)):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"rank {rank} losses differ: {m}")
-        for key, ref in ref_params.items():
-            torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {key} differs: {m}")
-    init = make_gpt().state_dict()
-    assert max((ref_params[k] - init[k]).abs().max().item() for k in init) > 1e-2  # it trained
+        assert_matches_reference(rank, losses, params, ref_losses, ref_params)
+    assert_trained(ref_params, make_gpt().state_dict())
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -95,11 +91,7 @@ def test_whole_tensor_resume_across_world_sizes(dist_run, tmp_path, saved, resum
     results = dist_run(resumed[0], resume_and_finish, str(tmp_path), resumed[1], name, half, STEPS - half)
     torch.testing.assert_close(torch.tensor(first[0]), torch.tensor(ref_losses[:half]), rtol=1e-5, atol=0)
     for rank, (losses, params) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[half:]), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"rank {rank} losses after resume differ: {m}")
-        for key, ref in ref_params.items():
-            torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {key} differs after resume: {m}")
+        assert_matches_reference(rank, losses, params, ref_losses[half:], ref_params, "after resume")
 
 
 # -- traffic and memory ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zerodp
+from tests.dist.common import assert_matches_reference
 from tests.dist.whole_tensor_common import (
     config,
     make_gpt,
@@ -57,10 +58,7 @@ def test_whole_tensor_offload_is_bitwise_the_run_without_it(dist_run, tmp_path, 
         assert losses == plain_losses, f"rank {rank}: losses differ with offload"
         for key, value in plain_params.items():
             assert torch.equal(params[key], value), f"rank {rank}: {key} differs with offload"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-        for key, ref in ref_params.items():
-            torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {key} differs from PyTorch: {m}")
+        assert_matches_reference(rank, losses, params, ref_losses, ref_params, "(offloaded) vs PyTorch")
         assert facts["windows"] > 1, "the step should stream several windows"
         # Muon's momentum buffers (and AdamW's moments) stream; Adafactor streams its vectors' moments
         expected = {"momentum_buffer"} if name == "muon_fp32" else {"variance"}

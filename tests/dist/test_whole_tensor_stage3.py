@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zerodp
+from tests.dist.common import assert_matches_reference
 from tests.dist.whole_tensor_common import (
     config,
     make_gpt,
@@ -48,11 +49,7 @@ def test_block_units_parity_fp32(dist_run, tmp_path, world, name, offload_param)
     ref_losses, ref_params = reference_run(name, STEPS)
     results = dist_run(world, block_units_run, name, str(tmp_path) if offload_param else "")
     for rank, (losses, params, _) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"rank {rank} losses differ: {m}")
-        for key, ref in ref_params.items():
-            torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {key} differs: {m}")
+        assert_matches_reference(rank, losses, params, ref_losses, ref_params)
     sizes = results[0][2]
     whole = [ranges for is_whole, ranges in sizes if is_whole]
     assert len(whole) >= 2, "one whole-tensor unit per block at least"
