@@ -1,8 +1,11 @@
 """`zerodp bench`: run strategies side by side in alternating rounds and report them as ratios.
 
 Each round runs every strategy once, one after another (one torchrun job each), so that a drift of
-the machine during the run touches every strategy alike; a strategy's figure is the median over
-rounds, and its time ratio is the median of its per-round ratios to DDP in the same round. Results go
+the machine during the run touches every strategy alike; odd rounds run them in reverse order, so
+that no strategy always runs early or late in a round (on this 2-core VM the speed wanders by 10-15%
+within minutes: a fixed order once showed DDP's own arithmetic, zerodp0, at 0.92x DDP). A strategy's
+figure is the median over rounds, and each time ratio (to DDP, to the best peer of its stage) is the
+median of the per-round ratios. Results go
 to `<out>/<strategy>-r<round>.json`, a table to `<results>` (bench/RESULTS.md) with the exact command,
 and a chart next to it. `--sweep` instead trains zerodp's stages at world sizes 1, 2 and 4 for a few
 steps (oversubscribing cores is fine: it measures memory) and plots model-state bytes per rank
@@ -58,13 +61,18 @@ def _mib(value) -> Optional[float]:
     return None if value is None else value / MIB
 
 
+def _ratios(rounds: list[list[dict]], baseline: list[list[dict]]) -> list[float]:
+    """Per-round step-time ratios of one strategy to another (same round, so the same machine state)."""
+    return [_step_s(r) / _step_s(b) for r, b in zip(rounds, baseline)]
+
+
 def aggregate(runs: dict[str, list[list[dict]]], micro_batch: int, seq: int) -> dict[str, dict]:
     """Per strategy: medians over rounds of time, ratio to DDP (per round), memory, and loss agreement."""
     rows = {}
     ddp = runs.get("ddp")
     for name, rounds in runs.items():
         times = [_step_s(r) for r in rounds]
-        ratios = [_step_s(r) / _step_s(d) for r, d in zip(rounds, ddp)] if ddp else []
+        ratios = _ratios(rounds, ddp) if ddp else []
         first = rounds[0][0]
         world = first["world_size"]
         diffs = [abs(a - b) for a, b in zip(first["losses"], ddp[0][0]["losses"])] if ddp else []
@@ -80,6 +88,10 @@ def aggregate(runs: dict[str, list[list[dict]]], micro_batch: int, seq: int) -> 
             "traffic_mib": _mib(first.get("traffic_bytes_per_step")),
             "loss_diff": max(diffs) if diffs else None, "final_loss": first["losses"][-1],
         }
+    for name, row in rows.items():  # vs the fastest peer of a zerodp stage: the highest median per-round ratio
+        peers = [p for p in PEERS_OF_STAGE.get(int(name[-1]), []) if p in runs] if name.startswith("zerodp") else []
+        vs = {p: statistics.median(_ratios(runs[name], runs[p])) for p in peers}
+        row["vs_peer"] = max(vs.items(), key=lambda kv: kv[1]) if vs else None
     return rows
 
 
@@ -92,12 +104,7 @@ def table(rows: dict[str, dict]) -> str:
              "peak RSS MiB/rank | model states MiB/rank (formula) | traffic MiB/step | losses vs DDP |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        vs_peer = "-"
-        if name.startswith("zerodp"):
-            peers = [p for p in PEERS_OF_STAGE[int(name[-1])] if p in rows]
-            if peers:
-                best = min(peers, key=lambda p: rows[p]["step_s"])
-                vs_peer = f"{r['step_s'] / rows[best]['step_s']:.2f} ({best})"
+        vs_peer = "-" if r["vs_peer"] is None else f"{r['vs_peer'][1]:.2f} ({r['vs_peer'][0]})"
         states = _fmt(r["state_mib"], ".1f") + (f" ({r['predicted_mib']:.1f})" if r["predicted_mib"] else "")
         losses = "-" if r["loss_diff"] is None else ("identical" if r["loss_diff"] == 0 else f"max diff {r['loss_diff']:.1e}")
         lines.append(f"| {name} | {r['step_s']:.3f} | {_fmt(r['x_ddp'], '.2f')} | {vs_peer} | "
@@ -148,7 +155,7 @@ def compare(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list] = {n: [] for n in names}
     for r in range(args.rounds):
-        for name in names:  # alternating: every strategy once per round
+        for name in (names if r % 2 == 0 else names[::-1]):  # every strategy once per round; see the docstring
             print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
             ranks = run_worker(name, args.model, args.steps, args.world_size, out / f"{name}-r{r}.json")
             if ranks is not None:
