@@ -42,3 +42,17 @@ def test_odd_rounds_run_the_strategies_in_reverse(monkeypatch, tmp_path):
     runner.compare(args)
     assert order == ["ddp", "zerodp1", "zerodp3", "zerodp3", "zerodp1", "ddp", "ddp", "zerodp1", "zerodp3"]
     assert "| zerodp3 |" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_interleaved_rows_use_per_step_ratios_and_the_slower_rank():
+    # step 2 ran while the machine was twice as slow: its ratio is still 1.2
+    def rank(ddp_times, z3_times):
+        return {"step_times": {"ddp": ddp_times, "zerodp3": z3_times},
+                "cpu_times": {"ddp": [1.0] * 6, "zerodp3": [1.5] * 6},
+                "losses": {"ddp": [3.0, 2.0], "zerodp3": [3.0, 2.0]}}
+    ranks = [rank([9, 9, 2.0, 1.0, 1.0, 1.0], [9, 9, 2.4, 1.2, 1.2, 1.2]),
+             rank([9, 9, 1.9, 0.9, 0.9, 0.9], [9, 9, 2.0, 1.0, 1.0, 1.0])]  # rank 0 is the slower one
+    rows = runner.interleaved_rows(ranks)
+    assert abs(rows["zerodp3"]["x_ddp"] - 1.2) < 1e-12
+    assert rows["zerodp3"]["step_s"] == 1.2 and rows["zerodp3"]["cpu_s"] == 1.5
+    assert rows["zerodp3"]["loss_diff"] == 0.0

@@ -4,5 +4,7 @@
     strategies.py    DDP, ZeroRedundancyOptimizer, FSDP1/2, DeepSpeed and zerodp behind one Runner
     live_memory.py   peak live (malloc in-use) bytes during a step, sampled by a thread
     worker.py        one strategy on N ranks under torchrun: times, memory, traffic, losses (JSON)
-    runner.py        alternating rounds, ratios to DDP, bench/RESULTS.md and a PNG chart; the sweep
+    interleaved.py   every strategy in one process pair, stepped in turn: drift-free step-time ratios
+    runner.py        alternating rounds, ratios to DDP, bench/RESULTS.md and a PNG chart; the sweep;
+                     --interleaved runs interleaved.py
 """

@@ -5,10 +5,11 @@ the machine during the run touches every strategy alike; odd rounds run them in 
 that no strategy always runs early or late in a round (on this 2-core VM the speed wanders by 10-15%
 within minutes: a fixed order once showed DDP's own arithmetic, zerodp0, at 0.92x DDP). A strategy's
 figure is the median over rounds, and each time ratio (to DDP, to the best peer of its stage) is the
-median of the per-round ratios. Results go
-to `<out>/<strategy>-r<round>.json`, a table to `<results>` (bench/RESULTS.md) with the exact command,
-and a chart next to it. `--sweep` instead trains zerodp's stages at world sizes 1, 2 and 4 for a few
-steps (oversubscribing cores is fine: it measures memory) and plots model-state bytes per rank
+median of the per-round ratios. Results go to `<out>/<strategy>-r<round>.json`, a table to `<results>`
+(bench/RESULTS.md) with the exact command, and a chart next to it. `--interleaved` instead steps every
+strategy in turn inside one process pair (interleaved.py: step-time ratios taken seconds apart, no
+memory figures). `--sweep` trains zerodp's stages at world sizes 1, 2 and 4 for a few steps
+(oversubscribing cores is fine: it measures memory) and plots model-state bytes per rank
 against the ZeRO formula.
 """
 
@@ -180,6 +181,58 @@ def compare(args) -> None:
     print(f"wrote {results}" + (f" and {png}" if png else ""))
 
 
+def interleaved_rows(ranks: list[dict]) -> dict[str, dict]:
+    """Per strategy: median step time and median per-step ratio to DDP over the timed steps (the first
+    third is warm-up; a step's time is the slower rank's), CPU seconds per step and rank, loss agreement."""
+    names = list(ranks[0]["step_times"])
+    steps = len(ranks[0]["step_times"][names[0]])
+    timed = range(steps // 3, steps)
+    wall = {n: [max(r["step_times"][n][i] for r in ranks) for i in range(steps)] for n in names}
+    losses = ranks[0]["losses"]
+    rows = {}
+    for n in names:
+        rows[n] = {
+            "step_s": statistics.median(wall[n][i] for i in timed),
+            "x_ddp": statistics.median(wall[n][i] / wall["ddp"][i] for i in timed) if "ddp" in wall else None,
+            "cpu_s": statistics.median(sum(r["cpu_times"][n][i] for r in ranks) / len(ranks) for i in timed),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses[n], losses["ddp"])) if "ddp" in losses else None,
+        }
+    return rows
+
+
+def interleaved(args) -> None:
+    """Run bench/interleaved.py once on `--world-size` ranks and write its table to `--results`."""
+    names = args.strategies or (["ddp", "torch_zero1", "fsdp1_grad_op", "fsdp1_full", "fsdp2"]
+                                + [f"zerodp{s}" for s in args.stages])
+    if any(n.startswith("deepspeed") for n in names):
+        raise SystemExit("zerodp bench --interleaved: DeepSpeed cannot share a process with the other strategies "
+                         "(its initialize changes process-wide state); measure it with the rounds (no --interleaved)")
+    out = Path(args.out or f"bench/results/{args.model}-{args.world_size}ranks-interleaved")
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}",
+           "-m", "zerodp.bench.interleaved", "--strategies", *names, "--model", args.model,
+           "--steps", str(args.steps), "--out", str(out / "interleaved.json")]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    (out / "interleaved.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"zerodp bench --interleaved: the run failed (see {out / 'interleaved.log'})")
+    rows = interleaved_rows(json.loads((out / "interleaved.json").read_text()))
+    lines = ["| strategy | step s | x DDP (median per-step ratio) | CPU s/step/rank | losses vs DDP |",
+             "|---|---|---|---|---|"]
+    for n, r in rows.items():
+        same = "-" if r["loss_diff"] is None else ("identical" if r["loss_diff"] == 0 else f"max diff {r['loss_diff']:.1e}")
+        lines.append(f"| {n} | {r['step_s']:.3f} | {_fmt(r['x_ddp'], '.3f')} | {r['cpu_s']:.3f} | {same} |")
+    text = "\n".join(lines) + "\n"
+    command = "zerodp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(f"# zerodp vs peers, interleaved\n\n`{command}` on {_machine()}; {args.model} GPT, "
+                       f"{args.world_size} ranks, every strategy in one process pair, {args.steps} steps each "
+                       f"stepped in turn (the last two thirds timed).\n\n" + text)
+    print(text)
+    print(f"wrote {results}")
+
+
 def sweep(args) -> None:
     """Model-state bytes per rank at world sizes 1, 2, 4, measured and predicted, per stage."""
     out = Path(args.out or f"bench/results/{args.model}-sweep")
@@ -228,6 +281,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=None, help="folder for per-run JSON and logs")
     ap.add_argument("--results", default="bench/RESULTS.md", help="the Markdown report to write")
     ap.add_argument("--sweep", action="store_true", help="memory per rank at world sizes 1, 2, 4 vs the formula")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="step time only: every strategy in one pair of processes, stepped in turn, so that "
+                         "machine drift cannot skew the ratios (bench/interleaved.py); --steps per strategy")
 
 
 def main(argv=None) -> int:
@@ -235,5 +291,15 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     args = ap.parse_args(argv)
-    sweep(args) if args.sweep else compare(args)
+    run(args)
     return 0
+
+
+def run(args) -> None:
+    """The mode `args` asks for: the sweep, the interleaved timing, or the rounds (the default)."""
+    if args.sweep:
+        sweep(args)
+    elif args.interleaved:
+        interleaved(args)
+    else:
+        compare(args)

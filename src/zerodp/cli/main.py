@@ -68,9 +68,9 @@ def _add_bench(sub) -> None:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    from ..bench.runner import compare, sweep
+    from ..bench.runner import run
 
-    sweep(ns) if ns.sweep else compare(ns)
+    run(ns)
     return 0
 
 
