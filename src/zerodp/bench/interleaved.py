@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..examples.gpt import GPT
-from .models import BENCH_MODELS, synthetic_tokens
+from .models import BENCH_MODELS
 from .strategies import STRATEGIES
+from .worker import mean_over_ranks, train_step
 
 
 def _cpu_s() -> float:
@@ -57,20 +57,12 @@ def main(argv=None) -> None:
     for step in range(args.steps):
         order = list(runners) if step % 2 == 0 else list(runners)[::-1]
         for name in order:
-            runner = runners[name]
-            tokens = synthetic_tokens(step, rank, args.micro_batch, cfg.block_size, cfg.vocab_size)
             dist.barrier()
             t0, c0 = time.perf_counter(), _cpu_s()
-            logits = runner.forward(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
-            runner.backward(loss)
-            runner.step()
+            loss = train_step(runners[name], cfg, step, rank, args.micro_batch)
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(_cpu_s() - c0)
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses[name].append(mean.item() / world)
-            del runner  # only `runners` holds them: see the teardown below
+            losses[name].append(mean_over_ranks(loss))
     result = {"rank": rank, "world_size": world, "model": args.model, "steps": args.steps,
               "step_times": times, "cpu_times": cpu, "losses": losses, "torch": torch.__version__}
     gathered = [None] * world

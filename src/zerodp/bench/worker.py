@@ -36,6 +36,23 @@ def _traffic_bytes(log: comm.CommLog) -> int:
     return sum(r.nbytes * _VOLUME.get(r.op, 1) for r in log.records)
 
 
+def train_step(runner, cfg, step: int, rank: int, micro_batch: int) -> torch.Tensor:
+    """One optimizer step of `runner` on this rank's synthetic micro-batch of `step`; the local loss."""
+    tokens = synthetic_tokens(step, rank, micro_batch, cfg.block_size, cfg.vocab_size)
+    logits = runner.forward(tokens[:, :-1])
+    loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
+    runner.backward(loss)
+    runner.step()
+    return loss.detach()
+
+
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    """The loss averaged over the default group's ranks (what DDP's run is compared on)."""
+    total = loss.clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategy", required=True, choices=sorted(STRATEGIES))
@@ -56,14 +73,7 @@ def main(argv=None) -> None:
     losses, times, live_peaks, traffic = [], [], [], None
 
     def one_step(step: int, runner=runner) -> None:  # bound here: `runner` is deleted before teardown
-        tokens = synthetic_tokens(step, rank, args.micro_batch, cfg.block_size, cfg.vocab_size)
-        logits = runner.forward(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
-        runner.backward(loss)
-        runner.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(mean_over_ranks(train_step(runner, cfg, step, rank, args.micro_batch)))
 
     for step in range(args.steps):
         dist.barrier()
