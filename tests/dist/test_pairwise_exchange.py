@@ -78,3 +78,47 @@ def test_pairwise_all_gather_equals_all_gather(dist_run, world, in_place):
         assert r["impls"] == ["pairwise"]
         for out, want in zip(r["outputs"], r["expected"]):
             assert torch.equal(out, want)
+
+
+# shard ranges of unequal length, one empty at 3 ranks (stage 3's whole-tensor units, comm/uneven.py)
+UNEVEN = {2: [(0, 5), (5, 12)], 3: [(0, 4), (4, 4), (4, 11)]}
+
+
+def uneven_exchanges(in_flight: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranges = UNEVEN[world]
+    numel = ranges[-1][1]
+    g = torch.Generator().manual_seed(3000 + rank)
+    inputs = [torch.randn(numel, generator=g) for _ in range(in_flight)]
+    totals, fulls = [], []
+    for x in inputs:
+        total = x.clone()
+        dist.all_reduce(total)
+        totals.append(total)
+        parts = [torch.empty(numel) for _ in range(world)]
+        dist.all_gather(parts, x)  # every rank's whole input; rank r's range of it is what r contributes
+        fulls.append(torch.cat([parts[r][a:b] for r, (a, b) in enumerate(ranges)]))
+    lo, hi = ranges[rank]
+    with comm.record() as log:
+        reduced = [torch.full((hi - lo,), float("nan")) for _ in inputs]
+        gathered = [torch.full((numel,), float("nan")) for _ in inputs]
+        handles = [comm.reduce_scatter_uneven(out, x.clone(), ranges, async_op=True) for out, x in zip(reduced, inputs)]
+        handles += [comm.all_gather_uneven(out, x[lo:hi].clone(), ranges, async_op=True)
+                    for out, x in zip(gathered, inputs)]
+        for h in handles:
+            h.wait()
+    return {"reduced": reduced, "want_reduced": [t[lo:hi] for t in totals], "gathered": gathered, "want_gathered": fulls,
+            "impls": sorted({r.impl for r in log.records})}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_uneven_exchanges_equal_all_reduce_and_all_gather(dist_run, world):
+    for r in dist_run(world, uneven_exchanges, 3):
+        assert r["impls"] == ["pairwise"]
+        for out, want in zip(r["gathered"], r["want_gathered"]):
+            assert torch.equal(out, want)
+        for out, want in zip(r["reduced"], r["want_reduced"]):
+            if world == 2:
+                assert torch.equal(out, want)  # a + b either way: bitwise
+            else:
+                torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)

@@ -26,6 +26,8 @@ cannot mix their slices (tests/dist/test_pairwise_exchange.py checks it with sev
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -46,23 +48,33 @@ class Works:
         self._works = []
 
 
-def exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, rank: int, world: int):
+def _even(numel: int, world: int) -> list[tuple[int, int]]:
+    return [(r * numel, (r + 1) * numel) for r in range(world)]
+
+
+def exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, rank: int, world: int,
+                            ranges: Optional[Sequence[tuple[int, int]]] = None):
     """Start the exchange; returns (work, finish): after `work.wait()`, `finish()` sums into `output`.
 
-    `input` holds `world` slices of `output.numel()` elements; `output` may be this rank's own slice
-    of it. Nothing is written to `output` before `finish()`; `input` must stay unchanged until then.
+    Rank r keeps the sum of `input[ranges[r]]` (default: `world` equal slices of `output.numel()`
+    elements; ranges may differ in length or be empty, comm/uneven.py). `output` may be this rank's own
+    slice of `input`. Nothing is written to `output` before `finish()`; `input` must stay unchanged
+    until then.
     """
-    n = output.numel()
-    slices = input.view(world, n)
+    ranges = ranges if ranges is not None else _even(output.numel(), world)
+    lo, hi = ranges[rank]
     peers = [r for r in range(world) if r != rank]
-    received = torch.empty(len(peers), n, dtype=input.dtype, device=input.device)
+    received = torch.empty(len(peers), hi - lo, dtype=input.dtype, device=input.device)
     works = []
-    for k, peer in enumerate(peers):
-        works.append(dist.isend(slices[peer], group=group, group_dst=peer, tag=_TAG))
-        works.append(dist.irecv(received[k], group=group, group_src=peer, tag=_TAG))
+    for k, peer in enumerate(peers):  # every rank knows every range, so both ends skip the same empty ones
+        a, b = ranges[peer]
+        if b > a:
+            works.append(dist.isend(input[a:b], group=group, group_dst=peer, tag=_TAG))
+        if hi > lo:
+            works.append(dist.irecv(received[k], group=group, group_src=peer, tag=_TAG))
 
     def finish() -> None:
-        own = slices[rank]
+        own = input[lo:hi]
         if output.data_ptr() != own.data_ptr():
             output.copy_(own)
         for k in range(len(peers)):  # own slice first, then the peers' in rank order
@@ -71,17 +83,23 @@ def exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, ra
     return Works(works), finish
 
 
-def exchange_all_gather(output: torch.Tensor, input: torch.Tensor, group, rank: int, world: int) -> Works:
-    """Start the exchange; after `wait()`, `output` holds every rank's `input` in rank order.
+def exchange_all_gather(output: torch.Tensor, input: torch.Tensor, group, rank: int, world: int,
+                        ranges: Optional[Sequence[tuple[int, int]]] = None) -> Works:
+    """Start the exchange; after `wait()`, `output[ranges[r]]` holds rank r's `input` for every r
+    (default ranges: equal rows in rank order; they may differ in length or be empty).
 
-    `input` may be this rank's own row of `output` (it is only read); other rows are written.
+    `input` may be this rank's own range of `output` (it is only read); other ranges are written.
     """
-    rows = output.view(world, input.numel())
+    ranges = ranges if ranges is not None else _even(input.numel(), world)
+    lo, hi = ranges[rank]
     works = []
     for peer in range(world):
+        a, b = ranges[peer]
         if peer != rank:
-            works.append(dist.isend(input, group=group, group_dst=peer, tag=_GATHER_TAG))
-            works.append(dist.irecv(rows[peer], group=group, group_src=peer, tag=_GATHER_TAG))
-    if rows[rank].data_ptr() != input.data_ptr():
-        rows[rank].copy_(input)
+            if hi > lo:
+                works.append(dist.isend(input, group=group, group_dst=peer, tag=_GATHER_TAG))
+            if b > a:
+                works.append(dist.irecv(output[a:b], group=group, group_src=peer, tag=_GATHER_TAG))
+    if hi > lo and output[lo:hi].data_ptr() != input.data_ptr():
+        output[lo:hi].copy_(input)
     return Works(works)

@@ -5,9 +5,10 @@ rank exactly the tensors it owns, so shard r is the range `ranges[r]` of the fla
 ranges differ in length. gloo refuses uneven all-gathers and torch's tensor-form collectives want
 equal shards, so:
 
-    all_gather_uneven      one broadcast per rank that owns anything, from that rank, of its range
-    reduce_scatter_uneven  one reduce per owning rank, to that rank, of its range (NCCL); on gloo
-                           (or with use_all_reduce) one all-reduce of the buffer, as reduce_scatter
+    all_gather_uneven      one broadcast per rank that owns anything, from that rank, of its range;
+                           on gloo the pairwise exchange of comm/pairwise.py, as all_gather
+    reduce_scatter_uneven  one reduce per owning rank, to that rank, of its range (NCCL); on gloo the
+                           pairwise exchange, as reduce_scatter; with use_all_reduce one all-reduce
 
 Each element crosses the wire as often as in an all-gather / reduce-scatter of the unpadded buffer
 (a broadcast or reduce of n elements moves what 1/N of an all-gather or reduce-scatter of N x n
@@ -33,7 +34,7 @@ from .collectives import (
     get_rank,
     skips_collectives,
 )
-from .pairwise import Works
+from .pairwise import Works, exchange_all_gather, exchange_reduce_scatter
 
 
 def _check(buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], what: str) -> None:
@@ -59,6 +60,11 @@ def all_gather_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Sequenc
     if skips_collectives(group):
         _log("all_gather", "none", output, tag, group, what)
         return Handle()
+    world = len(ranges)
+    if backend_name(group) == "gloo" and world > 1:  # one gloo rank: the real broadcast (tests/gpu's path)
+        entry = _log("all_gather", "pairwise", output, tag, group, what)
+        work = exchange_all_gather(output, mine, group, get_rank(group), world, ranges)
+        return _finish(work, None, async_op, entry)
     entry = _log("all_gather", "broadcast", output, tag, group, what)
     works = [dist.broadcast(output[a:b], src=_global(group, r), group=group, async_op=True)
              for r, (a, b) in enumerate(ranges) if b > a]
@@ -85,7 +91,12 @@ def reduce_scatter_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Seq
         _log("reduce_scatter", "none", input, tag, group, what)
         keep_slice()
         return Handle()
-    if use_all_reduce or backend_name(group) == "gloo":  # gloo: see comm/collectives.py's module note
+    gloo = backend_name(group) == "gloo"
+    if gloo and not use_all_reduce and len(ranges) > 1:  # see comm/collectives.py's module note
+        entry = _log("reduce_scatter", "pairwise", input, tag, group, what)
+        work, finish = exchange_reduce_scatter(output, input, group, get_rank(group), len(ranges), ranges)
+        return _finish(work, finish, async_op, entry)
+    if use_all_reduce or gloo:  # one gloo rank: a real call (tests/gpu's path)
         entry = _log("reduce_scatter", "all_reduce", input, tag, group, what)
         return _finish(dist.all_reduce(input, group=group, async_op=True), keep_slice, async_op, entry)
     entry = _log("reduce_scatter", "reduce", input, tag, group, what)
