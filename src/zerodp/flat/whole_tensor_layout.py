@@ -22,8 +22,8 @@ the shards one after another in rank order, so shards have unequal sizes and
 Stage 3 cuts the model into one unit per block, and a block has few matrices (4 in a GPT block):
 over 8 ranks, equal shards padded each unit to 8 x the largest matrix, 2.7 x its real size (166%
 padding on the test GPT), and that padding was gathered twice and reduced once per step. Unequal
-shards move exactly the unit's elements: the gather is one broadcast per owning rank and the
-reduction a reduce to each owner (comm.all_gather_uneven, comm.reduce_scatter_uneven), the bytes
+shards move exactly the unit's elements (comm.all_gather_uneven, comm.reduce_scatter_uneven: one
+broadcast from / reduce to each owner on NCCL, a pairwise exchange of the ranges on gloo), the bytes
 of an all-gather / reduce-scatter of the unpadded buffer. Balance then spans units: each unit is
 assigned on top of the loads of the units before it (`base_loads`), so a rank that took the large
 matrix of one block takes the small ones of the next, and the fullest rank's total stays near
