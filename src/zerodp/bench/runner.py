@@ -100,6 +100,11 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _agreement(loss_diff: Optional[float]) -> str:
+    """The losses-vs-DDP cell: identical (bitwise), or the largest difference."""
+    return "-" if loss_diff is None else ("identical" if loss_diff == 0 else f"max diff {loss_diff:.1e}")
+
+
 def table(rows: dict[str, dict]) -> str:
     lines = ["| strategy | step s | x DDP | x best same-stage peer | tokens/s | peak live MiB/rank | "
              "peak RSS MiB/rank | model states MiB/rank (formula) | traffic MiB/step | losses vs DDP |",
@@ -107,7 +112,7 @@ def table(rows: dict[str, dict]) -> str:
     for name, r in rows.items():
         vs_peer = "-" if r["vs_peer"] is None else f"{r['vs_peer'][1]:.2f} ({r['vs_peer'][0]})"
         states = _fmt(r["state_mib"], ".1f") + (f" ({r['predicted_mib']:.1f})" if r["predicted_mib"] else "")
-        losses = "-" if r["loss_diff"] is None else ("identical" if r["loss_diff"] == 0 else f"max diff {r['loss_diff']:.1e}")
+        losses = _agreement(r["loss_diff"])
         lines.append(f"| {name} | {r['step_s']:.3f} | {_fmt(r['x_ddp'], '.2f')} | {vs_peer} | "
                      f"{r['tokens_per_s']:.0f} | {_fmt(r['live_mib'], '.0f')} | {_fmt(r['rss_mib'], '.0f')} | "
                      f"{states} | {_fmt(r['traffic_mib'], '.1f')} | {losses} |")
@@ -202,7 +207,7 @@ def interleaved_rows(ranks: list[dict]) -> dict[str, dict]:
 
 def interleaved(args) -> None:
     """Run bench/interleaved.py once on `--world-size` ranks and write its table to `--results`."""
-    names = args.strategies or (["ddp", "torch_zero1", "fsdp1_grad_op", "fsdp1_full", "fsdp2"]
+    names = args.strategies or ([n for n in PEERS if not n.startswith("deepspeed")]
                                 + [f"zerodp{s}" for s in args.stages])
     if any(n.startswith("deepspeed") for n in names):
         raise SystemExit("zerodp bench --interleaved: DeepSpeed cannot share a process with the other strategies "
@@ -220,8 +225,8 @@ def interleaved(args) -> None:
     lines = ["| strategy | step s | x DDP (median per-step ratio) | CPU s/step/rank | losses vs DDP |",
              "|---|---|---|---|---|"]
     for n, r in rows.items():
-        same = "-" if r["loss_diff"] is None else ("identical" if r["loss_diff"] == 0 else f"max diff {r['loss_diff']:.1e}")
-        lines.append(f"| {n} | {r['step_s']:.3f} | {_fmt(r['x_ddp'], '.3f')} | {r['cpu_s']:.3f} | {same} |")
+        lines.append(f"| {n} | {r['step_s']:.3f} | {_fmt(r['x_ddp'], '.3f')} | {r['cpu_s']:.3f} | "
+                     f"{_agreement(r['loss_diff'])} |")
     text = "\n".join(lines) + "\n"
     command = "zerodp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     results = Path(args.results)
