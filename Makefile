@@ -4,23 +4,48 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench bench-offload clean
+.PHONY: setup train test test-fast lock bench bench-offload clean
 
 setup: $(STAMP)
 
+# requirements/lock.txt: the versions the suite is known to pass with, installed as constraints (-c), so a
+# fresh machine gets what CI tested; pyproject.toml keeps ranges for library users. `make lock` refreshes it.
+LOCK := requirements/lock.txt
+EXTRAS := test,plot,hf,monitor
+
 # torch is pinned and installed first: an unpinned torch pulls gigabytes of CUDA wheels.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c $(LOCK) pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,plot,hf,monitor]" torch==2.13.0
+	$(BIN)/pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 train: setup
 	$(BIN)/zerodp train
 
+# The whole suite, every failure reported (no -x): the in-process unit tests first, then multi-rank on gloo,
+# the Hugging Face integration, GPU (skipped without one) and end to end.
+FAST_TESTS := tests/unit tests/e2e/test_cli.py tests/e2e/test_docs.py
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE tests/unit tests/dist tests/hf tests/gpu tests/e2e
+
+# The edit loop: unit and in-process tests only (well under a minute on 2 cores).
+test-fast: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(FAST_TESTS)
+
+# Re-resolve every dependency from pyproject.toml's ranges in a throwaway venv and write the lock. An upgrade is
+# a deliberate commit: run `make test` with the new lock before committing it.
+lock:
+	rm -rf .lock-venv
+	$(PY) -m venv .lock-venv
+	.lock-venv/bin/pip install -q --upgrade pip
+	.lock-venv/bin/pip install -q torch==2.13.0
+	.lock-venv/bin/pip install -q ".[$(EXTRAS)]"
+	{ head -3 $(LOCK); .lock-venv/bin/pip freeze --all --exclude zerodp --exclude setuptools --exclude wheel \
+	  | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' | sort -f; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf .lock-venv
 
 # Side by side against DDP, torch's ZeroRedundancyOptimizer, FSDP1/2 and DeepSpeed (in its own venv:
 # DeepSpeed is a peer to measure, never a dependency of zerodp). Needs an otherwise idle machine.

@@ -301,7 +301,8 @@ class ZeroEngine:
     # -- teardown -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release what zerodp created: offload files, and the default process group if zerodp initialized it.
+        """Release what the engine created: hooks, the stage-3 parameter registry's entries, the communicators
+        and I/O threads it made, offload files, and the default process group if zerodp initialized it.
 
         Idempotent. Call it (or use the engine as a context manager) when training ends; an atexit
         hook does the same at interpreter exit (see [Note: teardown] in comm/process_group.py). The offload
@@ -309,6 +310,7 @@ class ZeroEngine:
         can no longer communicate; a process group the caller created is left alone.
         """
         self.monitor.close()  # the comms_logger summary is logged here
+        self.sharding.close()  # hooks, the stage-3 parameter registry's entries, its reduction communicator
         if self.optimizer.offload is not None:
             self.optimizer.offload.close()
         if self.grad_home is not None:   # its files are in the parameter store's folder, closed next
@@ -318,6 +320,7 @@ class ZeroEngine:
         if self._owns_process_group:
             self._owns_process_group = False
             comm.destroy_distributed()
+        comm.watchdog.stop()  # started again by the next blocking collective, if any
 
     def __enter__(self) -> "ZeroEngine":
         return self

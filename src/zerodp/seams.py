@@ -61,7 +61,7 @@ class ShardingStrategy(Protocol):
 
     def take_written_units(self) -> list[ShardedUnit]: ...  # shards written outside the optimizer
 
-    def remove_hooks(self) -> None: ...
+    def close(self) -> None: ...  # remove hooks, registry entries and communicators it created
 
 
 class CheckpointOptimizer(Protocol):

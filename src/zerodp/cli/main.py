@@ -206,7 +206,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             print(f"zerodp: error: {line}", file=sys.stderr)
             return code
         except (KeyboardInterrupt, SignalException):
-            from .run_folder import restart_checkpoint
+            from ..examples.run_folder import restart_checkpoint
 
             saved = restart_checkpoint(Path(args.out)) is not None
             print("zerodp: interrupted; " + (f"continue from the newest checkpoint with --resume {args.out}" if saved

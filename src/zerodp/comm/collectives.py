@@ -90,6 +90,19 @@ def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
     return dist.new_group(ranks, backend=backend_name(group), use_local_synchronization=True)
 
 
+def destroy_group(group: ProcessGroup, made_from: ProcessGroup = None) -> None:
+    """Destroy `group`, a communicator `new_group_like(made_from)` returned, joining its threads.
+
+    No-op where new_group_like returned `made_from` itself (one rank) or the default group is gone
+    already (destroying it destroyed every group made from it). Why it matters: a gloo group left
+    alive to interpreter shutdown is torn down by C++ static destructors while its threads run,
+    and the process aborts ("terminate called without an active exception"; [Note: teardown]).
+    """
+    if group is None or group is made_from or not is_initialized():
+        return
+    dist.destroy_process_group(group)
+
+
 @dataclass(frozen=True)
 class CommRecord:
     """One collective call: the logical operation, how it was carried out, and its size."""

@@ -84,6 +84,7 @@ _lock = threading.Lock()
 _timeout_s = float(os.environ.get("ZERODP_COMM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 _debug_sync = os.environ.get("ZERODP_DEBUG_SYNC", "") not in ("", "0")
 _thread: Optional[threading.Thread] = None
+_stop = threading.Event()  # set by stop(): the current thread's signal to end
 _rank = int(os.environ.get("RANK", "0"))
 
 
@@ -164,15 +165,26 @@ def report(reason: str, rank: int) -> str:
 
 
 def _ensure_thread() -> None:
-    global _thread
+    global _thread, _stop
     if _thread is None or not _thread.is_alive():
-        _thread = threading.Thread(target=_watch, name="zerodp-watchdog", daemon=True)
+        _stop = threading.Event()
+        _thread = threading.Thread(target=_watch, args=(_stop,), name="zerodp-watchdog", daemon=True)
         _thread.start()
 
 
-def _watch() -> None:
-    while True:
-        time.sleep(min(1.0, max(0.05, _timeout_s / 10)))
+def stop() -> None:
+    """End the watchdog thread (engine.close); the next blocking wait starts it again."""
+    global _thread
+    thread, _thread = _thread, None
+    if thread is not None:
+        _stop.set()
+        if thread is not threading.current_thread():
+            thread.join()
+
+
+
+def _watch(stop_event: threading.Event) -> None:
+    while not stop_event.wait(min(1.0, max(0.05, _timeout_s / 10))):
         now = time.monotonic()
         with _lock:
             stalled = [(since, e) for since, e in _waits.values() if now - since > _timeout_s]

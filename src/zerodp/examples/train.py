@@ -173,8 +173,15 @@ def _run_worker(args: TrainArgs) -> dict:
 
     torch.manual_seed(args.seed)
     model = GPT(MODEL_PRESETS[args.model], seed=args.seed).to(_device())
-    numel = model.num_parameters()
     engine = zerodp.initialize(model, _build_optimizer(model, args), args.config)
+    try:
+        return _train(engine, args, model, out, rank, world, wall_start)
+    finally:
+        engine.close()  # hooks, communicators, I/O threads, offload files: see ZeroEngine.close
+
+
+def _train(engine, args: TrainArgs, model, out: Path, rank: int, world: int, wall_start: float) -> dict:
+    numel = model.num_parameters()
     base_lr = engine.optimizer.param_groups[0]["lr"]  # read before a checkpoint restores a scheduled lr
     corpus = ByteCorpus.from_stdlib()
     start_step = 0

@@ -84,7 +84,8 @@ class GradReducer:
         """None: stage 0-2 shards are only written by the optimizer step (and checkpoint loads)."""
         return []
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
+        """Remove the gradient hooks construction installed (idempotent)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -120,6 +120,11 @@ class ShardGroup:
         full.record_stream(stream)  # allocated on the compute stream, read on this one
         return _StreamHandle(event, consumed=None)
 
+    def close(self) -> None:
+        """Destroy the reduction communicator this group made (idempotent); see comm.destroy_group."""
+        group, self.reduce_group = self.reduce_group, self.process_group
+        comm.destroy_group(group, made_from=self.process_group)
+
     def sync_all(self) -> None:
         """Make the current stream wait for every side-stream collective (CUDA; no-op on CPU)."""
         if self.gather_stream is not None:

@@ -48,7 +48,7 @@ from torch import nn
 from ..flat.reduce_queue import ReduceQueue
 from .flat_unit import FlatUnit
 from .module_unit import ModuleUnit
-from .params import register_owner
+from .params import register_owner, unregister_owner
 from .prefetch import Pass
 from .schedule import Schedule
 from .shard_group import ShardGroup
@@ -190,9 +190,15 @@ class Stage3Sharding:
     def reset_peak(self) -> None:
         self.shards.peak_live_numel = self.shards.live_numel
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
+        """Undo what construction installed: hooks, the parameter registry's entries, the reduction
+        communicator. Idempotent; the model's parameters stay sharded (the engine cannot train after)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         for mu in self.module_units:
             mu.remove_hooks()
+        for f in self.flats:
+            for p in f.params:
+                unregister_owner(p)
+        self.shards.close()
