@@ -86,8 +86,14 @@ def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
     """
     if skips_collectives(group):
         return group
+    whole_world = group is None or group is dist.group.WORLD
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return dist.new_group(ranks, backend=backend_name(group), use_local_synchronization=True)
+    # note: a group made with use_local_synchronization is named by a hash of its ranks and of the number
+    # of live groups, so a group made after another was destroyed (engine.close) gets the dead one's name
+    # and store keys, and gloo connects to the dead group's ports ("connectFullMesh failed ... Connection
+    # refused"). Over the whole world every rank calls this, so the counter-named, globally synchronized
+    # form applies; a subgroup's ranks alone call it and need local synchronization.
+    return dist.new_group(ranks, backend=backend_name(group), use_local_synchronization=not whole_world)
 
 
 def destroy_group(group: ProcessGroup, made_from: ProcessGroup = None) -> None:
