@@ -297,7 +297,8 @@ def get_pool(world_size: int) -> WorkerPool:
     while len(_pools) >= MAX_LIVE_POOLS:
         _, evicted = _pools.popitem(last=False)
         evicted.close()
-    pool = WorkerPool(world_size)
+    # start-up imports torch once per rank: more ranks than the 2 cores take proportionally longer
+    pool = WorkerPool(world_size, startup_timeout=STARTUP_TIMEOUT_S * max(1, world_size // 2))
     _pools[world_size] = pool
     return pool
 

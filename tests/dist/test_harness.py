@@ -77,7 +77,8 @@ def test_error_on_one_rank_fails_fast_and_pool_recovers(dist_run):
     assert "rank 1" in message
     assert "ValueError: deliberate failure from the test" in message
     assert "raise_on_rank_1" in message  # the remote traceback, not just the exception text
-    assert elapsed < 5, f"took {elapsed:.1f}s: the harness waited for the blocked rank"
+    # the blocked rank would hold the harness until timeout=60; 30 s leaves room for a loaded machine
+    assert elapsed < 30, f"took {elapsed:.1f}s: the harness waited for the blocked rank"
     assert not broken.alive
 
     assert harness.get_pool(2) is not broken
@@ -93,4 +94,4 @@ def test_timeout_raises_promptly(dist_run):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"sleep_s did not finish within timeout=1.0s"):
         dist_run(1, sleep_s, 60.0, timeout=1.0)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # far below the 60 s sleep, whatever else the machine runs

@@ -75,7 +75,7 @@ def test_deepspeed_script_under_torchrun_equals_plain_pytorch(tmp_path, stage):
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29600 + stage), str(SCRIPT_DIR / "train_ds.py"), "--deepspeed",
+                           "--standalone", str(SCRIPT_DIR / "train_ds.py"), "--deepspeed",
                            "--deepspeed_config", str(config), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"

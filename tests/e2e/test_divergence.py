@@ -24,7 +24,9 @@ def run_job(mode: str) -> tuple[int, str, float]:
 def test_a_stalled_rank_is_reported_within_the_timeout():
     code, out, seconds = run_job("stall")
     assert code != 0
-    assert seconds < TIMEOUT_S + 30 + 15, f"took {seconds:.0f} s (15 s allowed for torchrun start-up)"
+    # far below gloo's own 30 minutes; generous for torchrun's start-up on a loaded 2-core machine (the
+    # watchdog's message below is what proves zerodp, not the backend, ended the run)
+    assert seconds < TIMEOUT_S + 150, f"took {seconds:.0f} s"
     assert f"(comm_timeout_s={TIMEOUT_S})" in out and "zerodp rank 0: waited" in out, out[-3000:]
     assert "global step 2" in out and "phase forward" in out and "unit '" in out, out[-3000:]
     assert "last 32 collectives" in out

@@ -29,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # four launches, each with its own timeout
 def test_two_nodes_then_resume_on_one_node_with_two_ranks(tmp_path):
     out = tmp_path / "two-nodes"
     port = _free_port()
