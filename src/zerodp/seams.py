@@ -6,6 +6,9 @@
     checkpoint ──reads──> CheckpointEngine: the engine's public members, its strategy's units and
                           its optimizer's CheckpointOptimizer members, nothing private
 
+Every implementation is checked against its Protocol on every change (tests/unit/test_seams.py: each
+member present, each method's parameters the Protocol's), so a seam cannot drift silently.
+
 Calls run one way: the engine calls the strategy and the optimizer; neither calls the other or
 back into the engine. One optimizer step, as the engine runs it:
     strategy.start_micro_step(reduce) ; loss.backward() ; received = strategy.finish_micro_step(boundary)
@@ -14,7 +17,7 @@ back into the engine. One optimizer step, as the engine runs it:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -22,6 +25,7 @@ from torch import nn
 from .flat.layout import FlatLayout
 
 
+@runtime_checkable
 class ShardedUnit(Protocol):
     """One flat buffer of parameters and this rank's shard of it: what the optimizer steps and
     checkpoints save (a stage 0-2 bucket or a stage-3 flat unit)."""
@@ -44,6 +48,7 @@ class ShardedUnit(Protocol):
     def grad_bytes(self) -> int: ...
 
 
+@runtime_checkable
 class ShardingStrategy(Protocol):
     """What the engine drives, at every stage (stages differ by policy inside the strategy)."""
 
@@ -64,6 +69,7 @@ class ShardingStrategy(Protocol):
     def close(self) -> None: ...  # remove hooks, registry entries and communicators it created
 
 
+@runtime_checkable
 class CheckpointOptimizer(Protocol):
     """What checkpoints may read and set of the sharded optimizer (one flat master per unit)."""
 
@@ -86,6 +92,7 @@ class CheckpointOptimizer(Protocol):
     def load_master_from_shard(self, index: int) -> None: ...
 
 
+@runtime_checkable
 class CheckpointEngine(Protocol):
     """What checkpoints read and set of a live engine."""
 
