@@ -2,7 +2,8 @@
 
 import pytest
 
-from zerodp.flat.layout import FlatLayout, chunk_ranges
+from zerodp.comm import chunk_ranges
+from zerodp.flat.layout import FlatLayout
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])

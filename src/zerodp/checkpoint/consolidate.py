@@ -24,7 +24,7 @@ import torch
 
 from .. import comm
 from ..errors import CheckpointError
-from ..flat.layout import chunk_ranges
+from ..comm import chunk_ranges
 from ..seams import CheckpointEngine
 from . import format as fmt
 from .state import canonical_names, describe_tensors, sharded_units

@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from ..errors import DivergenceError
 from . import watchdog
-from ..flat.layout import chunk_ranges
 from .pairwise import exchange_all_gather, exchange_reduce_scatter
 
 ProcessGroup = Optional[dist.ProcessGroup]
@@ -76,6 +75,14 @@ def get_world_size(group: ProcessGroup = None) -> int:
 
 def backend_name(group: ProcessGroup = None) -> str:
     return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
+def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """Split [0, numel) into consecutive ranges of at most `chunk_numel` elements (a long message as
+    several bounded ones: staging buffers stay small)."""
+    if chunk_numel < 1:
+        raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+    return [(s, min(s + chunk_numel, numel)) for s in range(0, numel, chunk_numel)]
 
 
 def new_group_like(group: ProcessGroup = None) -> ProcessGroup:

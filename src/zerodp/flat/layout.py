@@ -118,10 +118,3 @@ class FlatLayout:
         if n == 0:
             return []
         return list(range(off // self.shard_numel, (off + n - 1) // self.shard_numel + 1))
-
-
-def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
-    """Split [0, numel) into consecutive ranges of at most `chunk_numel` elements."""
-    if chunk_numel < 1:
-        raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
-    return [(s, min(s + chunk_numel, numel)) for s in range(0, numel, chunk_numel)]
