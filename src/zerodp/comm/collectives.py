@@ -120,7 +120,7 @@ def destroy_group(group: ProcessGroup, made_from: ProcessGroup = None) -> None:
 class CommRecord:
     """One collective call: the logical operation, how it was carried out, and its size."""
 
-    op: str            # all_reduce | reduce_scatter | all_gather | broadcast
+    op: str            # all_reduce | reduce_scatter | all_gather | all_to_all | broadcast
     impl: str          # the torch collective actually issued
     numel: int         # elements of the full buffer (reduce input, gather output)
     dtype: torch.dtype
@@ -298,6 +298,20 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
         return _finish(work, keep_slice, async_op, entry)
     entry = _log("reduce_scatter", "reduce_scatter_single", input, tag, group, what)
     return _finish(_reduce_scatter_single(output, input, group=group, async_op=True), None, async_op, entry)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
+               tag: str = "", what: str = "") -> Handle:
+    """Send the r-th of N equal slices of `input` to rank r; receive rank r's slice for us in `output`'s r-th."""
+    if input.numel() != output.numel() or input.numel() % get_world_size(group):
+        raise ValueError(f"all_to_all: input ({input.numel()}) and output ({output.numel()}) must be equal "
+                         f"multiples of the group size")
+    entry = _log("all_to_all", "all_to_all_single", input, tag, group, what)
+    if skips_collectives(group):
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle()
+    return _finish(dist.all_to_all_single(output, input, group=group, async_op=True), None, async_op, entry)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
