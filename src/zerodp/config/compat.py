@@ -80,12 +80,10 @@ NO_EFFECT: dict[str, NoEffect] = {
         "raising an error on unused parameters is not implemented; remove the key or set true"),
     "zero_optimization.legacy_stage1": NoEffect("a removed DeepSpeed implementation", lambda v: v is False,
                                                 "legacy_stage1 is not implemented; remove it"),
-    "zero_optimization.zero_quantized_weights": NoEffect(
-        "switched off", lambda v: v is False, "quantized weights (ZeRO++) are not implemented; remove the key"),
     "zero_optimization.zero_quantized_nontrainable_weights": NoEffect(
-        "switched off", lambda v: v is False, "quantized weights (ZeRO++) are not implemented; remove the key"),
-    "zero_optimization.zero_quantized_gradients": NoEffect(
-        "switched off", lambda v: v is False, "quantized gradients (ZeRO++) are not implemented; remove the key"),
+        "switched off", lambda v: v is False,
+        "storing frozen weights quantized (ZeRO++) is not implemented; remove the key (zero_quantized_weights "
+        "quantizes every gather)"),
     "zero_optimization.zero_hpz_partition_size": NoEffect(
         "1 means no secondary partition", lambda v: v in (0, 1),
         "hierarchical partitioning (ZeRO++ hpZ) is not implemented; remove the key or set 1"),

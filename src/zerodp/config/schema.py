@@ -115,6 +115,15 @@ class ZeroOptimizationConfig(StrictModel):
     sub_group_size: int = Field(1_000_000_000, ge=0, description="Elements per chunk that an offloaded optimizer "
                                 "step streams (read, step, write); bounds the optimizer's working set in RAM. 0: "
                                 "the smallest chunks (DeepSpeed: one tensor per sub-group).")
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (stage 3): every parameter gather sends "
+                                         "the shards in int8 with one fp32 scale per 256 elements (about a quarter "
+                                         "of fp32's bytes, half of bf16's); every rank computes with the same "
+                                         "dequantized weights, within 1/254 of each block's largest magnitude. An "
+                                         "approximation: see docs/quantized.md.")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (stage 3): gradients are reduced through "
+                                           "an all-to-all of int4 slices with one fp32 scale per 256 elements (about "
+                                           "an eighth of fp32's bytes), dequantized and summed in fp32 in rank "
+                                           "order. An approximation: see docs/quantized.md.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Make save_16bit_model (and every "
                                                             "save_checkpoint, as DeepSpeed does) also write the "
                                                             "consolidated weights in the compute dtype as safetensors.")
@@ -125,6 +134,10 @@ class ZeroOptimizationConfig(StrictModel):
             raise ValueError("contiguous_gradients=false is not supported: zerodp always reduces contiguous "
                              "buckets (it costs no extra memory); remove the key or set it to true")
         check_stage(self.stage, self.offload_optimizer, self.offload_param)
+        for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+            if self.stage < 3 and getattr(self, key):  # DeepSpeed applies ZeRO++ to stage 3 only, and ignores it below
+                warnings.warn(f"zero_optimization.{key} has no effect at stage {self.stage}: ZeRO++'s quantized "
+                              f"collectives are stage 3's", UserWarning, stacklevel=2)
         if self.stage < 3 and self.reduce_bucket_size == 0:
             raise ValueError("reduce_bucket_size=0 is only meaningful at stage 3 (where buckets are not used); "
                              "write a number of elements, e.g. 500000000")

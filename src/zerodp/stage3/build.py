@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import comm
 from ..config import ZeroConfig
+from ..errors import ConfigError
 from ..offload.build import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit
 from .module_unit import ModuleUnit
@@ -33,13 +34,18 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     """
     whole = whole or [False] * len(groups)
     zero = config.zero_optimization
+    if any(whole) and (zero.zero_quantized_weights or zero.zero_quantized_gradients):
+        raise ConfigError("zero_quantized_weights/zero_quantized_gradients with an optimizer that reads whole tensors "
+                          "(Muon, Adafactor) is not implemented: their units have unequal shards; remove the ZeRO++ "
+                          "keys or use an elementwise optimizer")
     params = list(model.parameters())
     if not params:
         raise ValueError("zerodp stage 3: the model has no parameters")
     if any(isinstance(owner_of(p), FlatUnit) for p in params):
         raise ValueError("zerodp stage 3: the model is already partitioned by another engine")
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
-    shards = ShardGroup(process_group, params[0].device, use_all_reduce=not zero.reduce_scatter)
+    shards = ShardGroup(process_group, params[0].device, use_all_reduce=not zero.reduce_scatter,
+                        quantized_weights=zero.zero_quantized_weights, quantized_gradients=zero.zero_quantized_gradients)
     plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
     threshold = zero.stage3_param_persistence_threshold
     # offload_param: where sharded units' parameter shards live between uses (None: with the unit)

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from .. import comm
+from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..flat.buffer import alloc_storage
 
 
@@ -60,9 +61,13 @@ class _StreamHandle:
 class ShardGroup:
     """The ranks a model's units are sharded over, and where their collectives run."""
 
-    def __init__(self, process_group: comm.ProcessGroup, device: torch.device, use_all_reduce: bool = False) -> None:
+    def __init__(self, process_group: comm.ProcessGroup, device: torch.device, use_all_reduce: bool = False,
+                 quantized_weights: bool = False, quantized_gradients: bool = False) -> None:
         self.process_group = process_group
         self.use_all_reduce = use_all_reduce  # DeepSpeed's reduce_scatter=false
+        # ZeRO++ qwZ / qgZ (comm/quantized.py): approximations the user asked for, on sharded units' gathers
+        # and reductions (persistent units gather their updated shards exactly, after the step)
+        self.quantized_weights, self.quantized_gradients = quantized_weights, quantized_gradients
         self.rank = comm.get_rank(process_group)
         self.world = comm.get_world_size(process_group)
         self.reduce_group = comm.new_group_like(process_group)  # see [Note: two communicators]
@@ -91,12 +96,16 @@ class ShardGroup:
         return _StreamHandle(event, consumed=full)
 
     def _all_gather(self, full, shard, ranges, async_op: bool, what: str):
+        if ranges is None and self.quantized_weights:
+            return all_gather_quantized(full, shard, self.process_group, async_op=async_op, tag="param", what=what)
         if ranges is None:
             return comm.all_gather(full, shard, self.process_group, async_op=async_op, tag="param", what=what)
         return comm.all_gather_uneven(full, shard, ranges, self.process_group, async_op=async_op, tag="param",
                                       what=what)
 
     def _reduce_scatter(self, output, full, ranges, async_op: bool, what: str):
+        if ranges is None and self.quantized_gradients:
+            return reduce_scatter_quantized(output, full, self.reduce_group, async_op=async_op, tag="grad", what=what)
         if ranges is None:
             return comm.reduce_scatter(output, full, self.reduce_group, async_op=async_op, tag="grad",
                                        use_all_reduce=self.use_all_reduce, what=what)
