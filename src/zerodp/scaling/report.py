@@ -13,7 +13,7 @@ from .cluster import CLUSTERS, H100_8X400G, LOCAL_GLOO, ClusterSpec
 from .plan import MODE_TITLES, MODES
 from .predictor import Prediction, predict
 from .published import CHECKS
-from .workload import BENCH_GPT, LLAMA_7B, LLAMA_70B, TransformerShape, Workload
+from .workload import LLAMA3_8B, LLAMA_7B, LLAMA_70B, TransformerShape, Workload
 
 GLOBAL_TOKENS = 4 * 1024 * 1024      # 4M tokens per step (Llama 2's global batch)
 MICRO_TOKENS = 4096                  # one 4096-token sequence per GPU and micro-step
@@ -63,13 +63,15 @@ def cluster_line(c: ClusterSpec) -> str:
 # ---- the generated blocks of docs/scaling.md -------------------------------------------------
 
 def block_calibration() -> str:
-    from .calibration import MEASURED, calibration_rows
+    from .calibration import MEASURED, OTHER_MEASUREMENTS, calibration_rows
     rows = [(f"stage {s}", f"{m:.3f}", f"{p.step_s:.3f}", f"{p.step_s / m - 1:+.1%}", f"{p.compute_s:.3f}",
-             f"{p.exposed_comm_s:.3f}", f"{p.optimizer_s:.3f}", f"{2 * p.intra_bytes_per_gpu / 2**20:.1f}")
+             f"{p.exposed_comm_s:.3f}", f"{p.optimizer_s:.3f}", f"{2 * p.intra_bytes_per_gpu / 2**20:.1f}",
+             *(f"{o.step_s[s]:.3f} ({p.step_s / o.step_s[s] - 1:+.0%})" for o in OTHER_MEASUREMENTS))
             for s, m, p in calibration_rows()]
     head = ("zerodp", "measured s", "predicted s", "error", "compute s", "exposed comm s", "optimizer s",
-            "paper volume MiB (2 x sent)")
-    return cluster_line(LOCAL_GLOO) + "\n\n" + markdown_table(head, rows) + f"\n\nMeasured: {MEASURED.source}"
+            "paper volume MiB (2 x sent)", "session 4 per-process (error)", "session 3 (error)")
+    notes = "\n".join(f"- {o.source}" for o in (MEASURED, *OTHER_MEASUREMENTS))
+    return cluster_line(LOCAL_GLOO) + "\n\n" + markdown_table(head, rows) + "\n\nMeasured (in column order):\n" + notes
 
 
 def block_predictions(cluster: ClusterSpec = H100_8X400G) -> str:
@@ -90,8 +92,55 @@ def block_published() -> str:
     return markdown_table(("figure", "published", "predicted", "error", "within 25%"), rows)
 
 
+def block_winners() -> str:
+    """Per cluster, model and GPU count: the fastest mode whose model states fit, against ZeRO-3."""
+    rows = []
+    for cluster in (H100_8X400G, CLUSTERS["h100-8x100g-node"]):
+        preds = grid(cluster, (LLAMA_7B, LLAMA_70B), WORLDS, MODES)
+        for shape in (LLAMA_7B, LLAMA_70B):
+            for world in WORLDS:
+                here = {p.mode: p for s, p in preds if s is shape and p.world == world}
+                fitting = [p for p in here.values() if p.fits]
+                if not fitting:
+                    rows.append((cluster.name, shape.name, str(world), "nothing fits", "-", "-", "-"))
+                    continue
+                best = min(fitting, key=lambda p: p.step_s)
+                z3 = here["stage3"]
+                rows.append((cluster.name, shape.name, str(world), MODE_TITLES[best.mode], f"{best.mfu:.1%}",
+                             f"{z3.mfu:.1%}", f"{z3.step_s / best.step_s:.2f}x"))
+    return markdown_table(("cluster", "model", "GPUs", "fastest mode that fits", "its MFU", "ZeRO-3 MFU",
+                           "speedup over ZeRO-3"), rows)
+
+
+def block_sensitivity() -> str:
+    """How the published checks move with the settings their sources do not give."""
+    from .cluster import dgx2_v100
+    from .published import GPT_100B, GPT_18B
+    rows = []
+    for seqs in (8, 16, 32):
+        work = Workload(GPT_100B, tokens_per_rank=seqs * 1024, checkpointing=True)
+        p = predict("stage2", work, dgx2_v100(800), world=400, tp=16)
+        rows.append(("ZeRO-100B TFLOP/s/GPU", f"{seqs} sequences per data-parallel rank",
+                     f"{work.hardware_flops_per_rank / 16 / p.step_s / 1e12:.1f}"))
+    for node_gbit in (400, 100):
+        for ckpt in (True, False):
+            for overlap in (1.0, 0.8):
+                work = Workload(GPT_18B, tokens_per_rank=1024, checkpointing=ckpt)
+                c = dgx2_v100(node_gbit).with_overrides(overlap=overlap)
+                speedup = predict("stage3", work, c, 384).step_s / predict("zeropp", work, c, 384).step_s
+                rows.append((f"ZeRO++ / ZeRO-3, {node_gbit} Gb/s per node",
+                             f"checkpointing {'on' if ckpt else 'off'}, overlap {overlap:g}", f"{speedup:.2f}x"))
+    for eff in (0.35, 0.40):
+        work = Workload(LLAMA3_8B, tokens_per_rank=2 * 8192)
+        p = predict("stage3", work, H100_8X400G.with_overrides(compute_efficiency=eff), 8)
+        rows.append(("torchtitan Llama-3.1-8B tokens/s/GPU", f"compute efficiency {eff:.2f}",
+                     f"{p.tokens_per_s_per_gpu:,.0f}"))
+    return markdown_table(("figure", "setting", "predicted"), rows)
+
+
 BLOCKS = {"calibration": block_calibration, "predictions-h100": block_predictions,
-          "predictions-slow": block_slow_fabric, "published": block_published}
+          "predictions-slow": block_slow_fabric, "winners": block_winners, "published": block_published,
+          "sensitivity": block_sensitivity}
 _BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9-]+) -->\n).*?(\n<!-- end:(?P=name) -->)", re.S)
 
 
