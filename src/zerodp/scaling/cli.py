@@ -8,7 +8,7 @@ import argparse
 from ..errors import UsageError
 from .cluster import CLUSTERS
 from .plan import MODES
-from .report import GLOBAL_TOKENS, HEADER, MICRO_TOKENS, _cells, cluster_line, grid, text_table
+from .report import GLOBAL_TOKENS, HEADER, MICRO_TOKENS, prediction_cells, cluster_line, grid, text_table
 from .workload import SIZE_ALIASES, shape_for_count
 
 
@@ -88,7 +88,7 @@ def run(ns: argparse.Namespace) -> int:
           f"collectives, mixed-precision Adam, {'no' if ns.no_checkpointing else 'full'} activation checkpointing; "
           + "; ".join(f"{s.name}: {s.numel / 1e9:.2f}B params, {s.model_flops_per_token() / 1e9:.1f} GFLOP/token"
                       for s in shapes))
-    print(text_table(HEADER, [_cells(s, p) for s, p in rows]))
+    print(text_table(HEADER, [prediction_cells(s, p) for s, p in rows]))
     print("model: docs/scaling.md (compute at peak x efficiency; each collective latency + bytes / link "
           "bandwidth; overlap as the schedule allows)")
     return 0

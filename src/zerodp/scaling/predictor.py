@@ -87,8 +87,9 @@ def predict(mode: str, workload: Workload, cluster: ClusterSpec, world: int, tp:
         return _phase_seconds(forward_s, fwd, cluster) + _phase_seconds(backward_s, bwd, cluster)
 
     after_s = sum(t.seconds(cluster) for t in transfers if t.phase is Phase.AFTER)
-    sharded = mode != "stage0" and layout.dp > 1
-    optimizer_s = workload.shape.numel / tp / (layout.dp if sharded else 1) * cluster.optimizer_s_per_param
+    # the optimizer updates this rank's shard: all of it at stage 0, 1/g within a MiCS/HSDP group
+    shards = 1 if mode == "stage0" else layout.per_node if mode == "mics" else layout.dp
+    optimizer_s = workload.shape.numel / tp / shards * cluster.optimizer_s_per_param
     step_s = (micro_steps - 1) * micro_step(False) + micro_step(True) + after_s + optimizer_s
     compute_s = micro_steps * (forward_s + backward_s)
 

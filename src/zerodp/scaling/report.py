@@ -36,7 +36,7 @@ def grid(cluster: ClusterSpec, shapes: tuple[TransformerShape, ...], worlds: tup
     return rows
 
 
-def _cells(shape: TransformerShape, p: Prediction) -> tuple[str, ...]:
+def prediction_cells(shape: TransformerShape, p: Prediction) -> tuple[str, ...]:
     fit = "" if p.fits else " (does not fit)"
     return (shape.name, str(p.world), MODE_TITLES[p.mode], f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}",
             f"{p.mfu:.1%}", f"{p.inter_bytes_per_gpu / 1e9:.2f}", f"{p.model_state_gb:.1f}{fit}")
@@ -75,7 +75,7 @@ def block_calibration() -> str:
 
 
 def block_predictions(cluster: ClusterSpec = H100_8X400G) -> str:
-    rows = [_cells(s, p) for s, p in grid(cluster, (LLAMA_7B, LLAMA_70B), WORLDS, MODES)]
+    rows = [prediction_cells(s, p) for s, p in grid(cluster, (LLAMA_7B, LLAMA_70B), WORLDS, MODES)]
     return cluster_line(cluster) + "\n\n" + markdown_table(HEADER, rows)
 
 
@@ -141,12 +141,16 @@ def block_sensitivity() -> str:
 BLOCKS = {"calibration": block_calibration, "predictions-h100": block_predictions,
           "predictions-slow": block_slow_fabric, "winners": block_winners, "published": block_published,
           "sensitivity": block_sensitivity}
-_BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9-]+) -->\n).*?(\n<!-- end:(?P=name) -->)", re.S)
+_BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9-]+) -->\n)(?:.*?\n)??(<!-- end:(?P=name) -->)", re.S)
 
 
 def regenerate(text: str) -> str:
-    """`text` with every generated block replaced by the code's current output."""
-    return _BLOCK.sub(lambda m: m.group(1) + BLOCKS[m.group("name")]() + m.group(3), text)
+    """`text` with every generated block replaced by the code's current output; every block of
+    BLOCKS must appear exactly once (a missing marker would leave a table unchecked)."""
+    found = [m.group("name") for m in _BLOCK.finditer(text)]
+    if sorted(found) != sorted(BLOCKS):
+        raise ValueError(f"generated blocks found {found}, expected each of {sorted(BLOCKS)} once")
+    return _BLOCK.sub(lambda m: m.group(1) + BLOCKS[m.group("name")]() + "\n" + m.group(3), text)
 
 
 def main(argv=None) -> int:
