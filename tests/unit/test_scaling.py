@@ -97,7 +97,7 @@ def test_overlap_rule_hides_short_communication_and_shows_long():
     fast = predict("stage3", work, H100_8X400G, 64)
     # on 400 Gb/s the gathers fit under compute: only the unhidden units and the optimizer remain
     assert fast.exposed_comm_s < 0.02 * fast.step_s
-    slow_cluster = H100_8X400G.with_overrides(inter_gbps=1.0)
+    slow_cluster = H100_8X400G.with_overrides(inter_gb_per_s=1.0)
     slow = predict("stage3", work, slow_cluster, 64)
     transfers = plan("stage3", work, Layout.of(64, 8))
     comm = sum(t.seconds(slow_cluster) for t in transfers)

@@ -67,8 +67,8 @@ def run(ns: argparse.Namespace) -> int:
             raise UsageError(f"{name} must be > {low}" + (f" and <= {high}" if high else "") + f", got {value}")
     cluster = CLUSTERS[ns.cluster].with_overrides(
         gpus_per_node=ns.gpus_per_node, peak_tflops=ns.tflops, compute_efficiency=ns.efficiency,
-        intra_gbps=None if ns.intra_gbps is None else ns.intra_gbps / 8,
-        inter_gbps=None if ns.inter_gbps is None else ns.inter_gbps / 8)
+        intra_gb_per_s=None if ns.intra_gbps is None else ns.intra_gbps / 8,
+        inter_gb_per_s=None if ns.inter_gbps is None else ns.inter_gbps / 8)
     modes = _list(ns.modes, "--modes")
     unknown = [m for m in modes if m not in MODES]
     if unknown:

@@ -34,8 +34,8 @@ class ClusterSpec:
     gpus_per_node: int
     peak_tflops: float            # dense, per GPU, in the training dtype
     compute_efficiency: float     # fraction of peak one step's kernels reach
-    intra_gbps: float             # GB/s per GPU, one way, inside a node
-    inter_gbps: float             # GB/s per GPU, one way, across nodes (the GPU's NIC share)
+    intra_gb_per_s: float             # GB/s per GPU, one way, inside a node
+    inter_gb_per_s: float             # GB/s per GPU, one way, across nodes (the GPU's NIC share)
     intra_latency_s: float        # per ring hop inside a node
     inter_latency_s: float        # per ring hop across nodes
     link_efficiency: float = 0.8  # achieved / nominal bandwidth of large collectives
@@ -52,7 +52,8 @@ class ClusterSpec:
     def transfer_seconds(self, intra_bytes: float, inter_bytes: float, intra_hops: int, inter_hops: int) -> float:
         """latency + bytes / bandwidth for the bytes one rank moves over each link class."""
         latency = intra_hops * self.intra_latency_s + inter_hops * self.inter_latency_s
-        wire = max(intra_bytes / (self.intra_gbps * 1e9), inter_bytes / (self.inter_gbps * 1e9) if inter_bytes else 0.0)
+        wire = max(intra_bytes / (self.intra_gb_per_s * 1e9),
+                   inter_bytes / (self.inter_gb_per_s * 1e9) if inter_bytes else 0.0)
         return latency + wire / self.link_efficiency
 
     def with_overrides(self, **changes) -> "ClusterSpec":
@@ -66,14 +67,14 @@ class ClusterSpec:
 # eager bf16 kernels of a 4k-8k-hidden transformer layer sustain (matmuls near 0.6-0.7 of peak,
 # attention, norms and elementwise work well below); AdamW at 3.35 TB/s HBM, ~36 bytes per element.
 H100_8X400G = ClusterSpec(
-    "h100-8x400g", gpus_per_node=8, peak_tflops=989.0, compute_efficiency=0.40, intra_gbps=450.0,
-    inter_gbps=50.0, intra_latency_s=2e-6, inter_latency_s=5e-6, link_efficiency=0.8, overlap=1.0,
+    "h100-8x400g", gpus_per_node=8, peak_tflops=989.0, compute_efficiency=0.40, intra_gb_per_s=450.0,
+    inter_gb_per_s=50.0, intra_latency_s=2e-6, inter_latency_s=5e-6, link_efficiency=0.8, overlap=1.0,
     optimizer_s_per_param=36 / 3.35e12 / 0.7, memory_gb=80.0,
     description="8 x H100 SXM per node, NVLink 450 GB/s/GPU, 400 Gb/s NIC per GPU")
 # The same nodes with a slow fabric: one 100 Gb/s NIC per node, shared by its 8 GPUs (1.5625 GB/s each),
 # where the inter-node bytes decide everything.
 H100_8X100G = H100_8X400G.with_overrides(
-    name="h100-8x100g-node", inter_gbps=100 / 8 / 8,
+    name="h100-8x100g-node", inter_gb_per_s=100 / 8 / 8,
     description="8 x H100 per node, NVLink inside, one 100 Gb/s NIC per node")
 # DGX-2 (16 x V100 32GB on NVSwitch, 150 GB/s per GPU one way; fp16 tensor-core peak 125 TFLOP/s),
 # the machines of the ZeRO paper (800 Gb/s per node: 8 x 100 Gb/s InfiniBand) and of ZeRO++ (the
@@ -81,7 +82,7 @@ H100_8X100G = H100_8X400G.with_overrides(
 def dgx2_v100(node_gbit: float) -> ClusterSpec:
     return ClusterSpec(
         f"dgx2-v100-{int(node_gbit)}g", gpus_per_node=16, peak_tflops=125.0, compute_efficiency=0.40,
-        intra_gbps=150.0, inter_gbps=node_gbit / 8 / 16, intra_latency_s=3e-6, inter_latency_s=6e-6,
+        intra_gb_per_s=150.0, inter_gb_per_s=node_gbit / 8 / 16, intra_latency_s=3e-6, inter_latency_s=6e-6,
         link_efficiency=0.8, overlap=1.0, optimizer_s_per_param=36 / 0.9e12 / 0.7, memory_gb=32.0,
         description=f"DGX-2: 16 x V100 32GB on NVSwitch, {node_gbit:g} Gb/s InfiniBand per node")
 
@@ -95,7 +96,7 @@ def dgx2_v100(node_gbit: float) -> ClusterSpec:
 # optimizer = zerodp's chunked step over torch's default AdamW, 0.250 s per 100M (bench/RESULTS.md).
 LOCAL_GLOO = ClusterSpec(
     "local-gloo", gpus_per_node=2, peak_tflops=0.1029,
-    compute_efficiency=(1024 * 182.452224e6 / 2.18) / 102.9e9, intra_gbps=1.0, inter_gbps=1.0,
+    compute_efficiency=(1024 * 182.452224e6 / 2.18) / 102.9e9, intra_gb_per_s=1.0, inter_gb_per_s=1.0,
     intra_latency_s=1e-4, inter_latency_s=1e-4, link_efficiency=1.0, overlap=0.08,
     optimizer_s_per_param=2.5e-9, memory_gb=24.0,
     description="this 2-core machine: 1 thread per rank, gloo loopback (measured)")

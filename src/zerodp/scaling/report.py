@@ -55,9 +55,9 @@ def text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 def cluster_line(c: ClusterSpec) -> str:
     return (f"{c.name}: {c.description}; {c.gpus_per_node} GPUs/node, peak {c.peak_tflops:g} TFLOP/s x "
-            f"efficiency {c.compute_efficiency:.2f}, intra {c.intra_gbps:g} GB/s, inter {c.inter_gbps:g} GB/s per "
-            f"GPU (x {c.link_efficiency:g} achieved), latency {c.intra_latency_s * 1e6:g}/{c.inter_latency_s * 1e6:g} "
-            f"us per hop, overlap {c.overlap:g}")
+            f"efficiency {c.compute_efficiency:.2f}, intra {c.intra_gb_per_s:g} GB/s, "
+            f"inter {c.inter_gb_per_s:g} GB/s per GPU (x {c.link_efficiency:g} achieved), "
+            f"latency {c.intra_latency_s * 1e6:g}/{c.inter_latency_s * 1e6:g} us per hop, overlap {c.overlap:g}")
 
 
 # ---- the generated blocks of docs/scaling.md -------------------------------------------------
