@@ -164,3 +164,15 @@ def test_estimate_cluster_overrides_and_errors(capsys):
                          (["--model-size", "5M"], "at least 1e8"), (["--efficiency", "1.5"], "--efficiency")):
         assert main(["estimate", "--cluster", "h100-8x400g", *argv]) == 2
         assert needle in capsys.readouterr().err
+
+
+def test_model_state_memory_per_mode():
+    psi, work = LLAMA_7B.numel, Workload(LLAMA_7B, 4096, micro_tokens=4096)
+    gb = {m: predict(m, work, H100_8X400G, 64).model_state_gb * 1e9 for m in ("stage0", "stage1", "stage2",
+                                                                             "stage3", "hpz", "mics")}
+    assert gb["stage0"] == pytest.approx(16 * psi)
+    assert gb["stage1"] == pytest.approx(4 * psi + 12 * psi / 64)
+    assert gb["stage2"] == pytest.approx(2 * psi + 14 * psi / 64)
+    assert gb["stage3"] == pytest.approx(16 * psi / 64)
+    assert gb["hpz"] == pytest.approx(16 * psi / 64 + 2 * psi / 8)     # + the secondary bf16 shard
+    assert gb["mics"] == pytest.approx(16 * psi / 8)                   # sharded within the 8-GPU node

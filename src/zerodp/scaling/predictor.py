@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory.model import precision_bytes, predict_model_state_bytes
 from .cluster import ClusterSpec
 from .plan import Layout, Phase, Transfer, plan, tensor_parallel_transfers
 from .workload import Workload
@@ -51,12 +52,14 @@ class Prediction:
 
 
 def model_state_bytes(mode: str, numel: float, dp: int, per_node: int) -> float:
-    """Bytes of parameters, gradients and Adam states one GPU keeps (module docstring)."""
-    table = {"stage0": 16 * numel, "stage1": 4 * numel + 12 * numel / dp, "stage2": 2 * numel + 14 * numel / dp,
-             "stage3": 16 * numel / dp, "qwz": 16 * numel / dp, "qgz": 16 * numel / dp,
-             "hpz": 16 * numel / dp + 2 * numel / per_node, "zeropp": 16 * numel / dp + 2 * numel / per_node,
-             "mics": 16 * numel / per_node}
-    return table[mode]
+    """Bytes of parameters, gradients and Adam states one GPU keeps (module docstring): the memory
+    estimator's per-stage formula over the group that shards, plus hpZ's secondary bf16 shard."""
+    stage = int(mode[-1]) if mode.startswith("stage") else 3
+    group = per_node if mode == "mics" else dp
+    param_bytes, grad_bytes, optimizer_bytes = precision_bytes("mixed", "adam")
+    states = predict_model_state_bytes(numel, group, stage, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                                       optimizer_bytes=optimizer_bytes).total
+    return states + (param_bytes * numel / per_node if mode in ("hpz", "zeropp") else 0.0)
 
 
 def _phase_seconds(compute_s: float, transfers: list[Transfer], cluster: ClusterSpec) -> float:
