@@ -301,8 +301,10 @@ def _render_whole_tensor_imbalance(model: str, numel: int, world_size: int, opti
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     from ..memory import estimate_model_numel, render_paper_table
 
+    from ..scaling.cli import refuse_unused_options, run
+
+    refuse_unused_options(ns)
     if ns.cluster is not None:
-        from ..scaling.cli import run
         return run(ns)
     if ns.paper:
         print("ZeRO paper, Table 1: per-device model-state memory (GB) of mixed-precision Adam (K=12) by DP "

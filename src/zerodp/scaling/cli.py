@@ -17,17 +17,17 @@ def add_cluster_options(parser: argparse.ArgumentParser, choice) -> None:
     choice.add_argument("--cluster", choices=sorted(CLUSTERS), help="predict step time, tokens/s and MFU of "
                         "each mode on this cluster (docs/scaling.md); local-gloo is this machine")
     g = parser.add_argument_group("with --cluster")
-    g.add_argument("--model-size", default="7b,70b", metavar="LIST", help="comma list of 7b, 70b (Llama-2 "
+    g.add_argument("--model-size", metavar="LIST", help="comma list of 7b, 70b (Llama-2 "
                    "shapes), 8b (Llama-3.1) or a parameter count such as 13B (a Llama-like shape; default 7b,70b)")
-    g.add_argument("--gpus", default="8,64,1024", metavar="LIST", help="comma list of GPU counts (whole nodes "
+    g.add_argument("--gpus", metavar="LIST", help="comma list of GPU counts (whole nodes "
                    "above one node; default 8,64,1024)")
-    g.add_argument("--modes", default=",".join(MODES), metavar="LIST", help=f"comma list of {', '.join(MODES)} "
+    g.add_argument("--modes", metavar="LIST", help=f"comma list of {', '.join(MODES)} "
                    "(default all)")
-    g.add_argument("--global-tokens", type=int, default=GLOBAL_TOKENS, metavar="T", help="tokens per optimizer "
+    g.add_argument("--global-tokens", type=int, metavar="T", help="tokens per optimizer "
                    f"step over all GPUs (default {GLOBAL_TOKENS})")
-    g.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, metavar="T", help="tokens per GPU per "
+    g.add_argument("--micro-tokens", type=int, metavar="T", help="tokens per GPU per "
                    f"micro-step; the rest is gradient accumulation (default {MICRO_TOKENS})")
-    g.add_argument("--no-checkpointing", action="store_true", help="no activation recomputation (default: full "
+    g.add_argument("--no-checkpointing", action="store_true", default=None, help="no activation recomputation (default: full "
                    "checkpointing, the forward runs twice)")
     g.add_argument("--gpus-per-node", type=int, metavar="G", help="override the cluster's GPUs per node")
     g.add_argument("--intra-gbps", type=float, metavar="GBIT", help="override the intra-node link: Gb/s "
@@ -58,8 +58,25 @@ def _shape(text: str):
                          f"({err})") from None
 
 
+CLUSTER_ONLY = ("model_size", "gpus", "modes", "global_tokens", "micro_tokens", "no_checkpointing",
+                "gpus_per_node", "intra_gbps", "inter_gbps", "tflops", "efficiency")
+MEMORY_ONLY = ("world_size", "stage", "precision", "offload", "offload_param", "seq_len")
+
+
+def refuse_unused_options(ns: argparse.Namespace) -> None:
+    """An option the chosen estimate ignores is a mistake, not a no-op: name it."""
+    unused = MEMORY_ONLY if ns.cluster is not None else CLUSTER_ONLY
+    given = ["--" + name.replace("_", "-") for name in unused if getattr(ns, name, None) is not None]
+    if given:
+        where = "the memory estimate (--params/--model/--paper)" if ns.cluster is not None else "--cluster"
+        raise UsageError(f"{', '.join(given)} only apply to {where}; drop them or choose that estimate")
+
+
 def run(ns: argparse.Namespace) -> int:
     """Print the cluster, the workload and the prediction table."""
+    defaults = {"model_size": "7b,70b", "gpus": "8,64,1024", "modes": ",".join(MODES),
+                "global_tokens": GLOBAL_TOKENS, "micro_tokens": MICRO_TOKENS, "no_checkpointing": False}
+    ns = argparse.Namespace(**{**vars(ns), **{k: v for k, v in defaults.items() if getattr(ns, k) is None}})
     for name, value, low, high in (("--efficiency", ns.efficiency, 0, 1), ("--tflops", ns.tflops, 0, None),
                                    ("--intra-gbps", ns.intra_gbps, 0, None), ("--inter-gbps", ns.inter_gbps, 0, None),
                                    ("--gpus-per-node", ns.gpus_per_node, 0, None)):
