@@ -162,7 +162,8 @@ def test_estimate_cluster_overrides_and_errors(capsys):
     assert "inter 12.5 GB/s" in capsys.readouterr().out
     for argv, needle in ((["--modes", "stage9"], "unknown stage9"), (["--gpus", "12"], "split evenly over 12"),
                          (["--model-size", "5M"], "at least 1e8"), (["--efficiency", "1.5"], "--efficiency"),
-                         (["--world-size", "64"], "--world-size only apply to the memory estimate")):
+                         (["--world-size", "64"], "--world-size only apply to the memory estimate"),
+                         (["--micro-tokens", "0"], "--micro-tokens must be > 0")):
         assert main(["estimate", "--cluster", "h100-8x400g", *argv]) == 2
         assert needle in capsys.readouterr().err
     # and the cluster options are not silently ignored by the memory estimate

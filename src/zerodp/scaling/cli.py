@@ -79,7 +79,9 @@ def run(ns: argparse.Namespace) -> int:
     ns = argparse.Namespace(**{**vars(ns), **{k: v for k, v in defaults.items() if getattr(ns, k) is None}})
     for name, value, low, high in (("--efficiency", ns.efficiency, 0, 1), ("--tflops", ns.tflops, 0, None),
                                    ("--intra-gbps", ns.intra_gbps, 0, None), ("--inter-gbps", ns.inter_gbps, 0, None),
-                                   ("--gpus-per-node", ns.gpus_per_node, 0, None)):
+                                   ("--gpus-per-node", ns.gpus_per_node, 0, None),
+                                   ("--global-tokens", ns.global_tokens, 0, None),
+                                   ("--micro-tokens", ns.micro_tokens, 0, None)):
         if value is not None and (value <= low or (high is not None and value > high)):
             raise UsageError(f"{name} must be > {low}" + (f" and <= {high}" if high else "") + f", got {value}")
     cluster = CLUSTERS[ns.cluster].with_overrides(
