@@ -181,3 +181,31 @@ def test_model_state_memory_per_mode():
     assert gb["stage3"] == pytest.approx(16 * psi / 64)
     assert gb["hpz"] == pytest.approx(16 * psi / 64 + 2 * psi / 8)     # + the secondary bf16 shard
     assert gb["mics"] == pytest.approx(16 * psi / 8)                   # sharded within the 8-GPU node
+
+
+def test_tensor_parallel_term_and_its_data_parallel_group():
+    from zerodp.scaling.cluster import dgx2_v100
+    from zerodp.scaling.plan import tensor_parallel_transfers
+    from zerodp.scaling.published import GPT_100B
+
+    work = Workload(GPT_100B, 16 * 1024, checkpointing=True)
+    layout = Layout.of(400, 16, tp=16)
+    assert (layout.dp, layout.nodes, layout.per_node) == (25, 25, 1)
+    fwd, bwd = tensor_parallel_transfers(work, layout, 16 * 1024)
+    act = 16 * 1024 * 8192 * 2
+    # two all-reduces per layer forward, four backward (two for the recomputed forward), 2(n-1)/n each
+    assert fwd.link_bytes() == pytest.approx((2 * 15 / 16 * 2 * 125 * act, 0.0))
+    assert bwd.link_bytes() == pytest.approx((2 * 15 / 16 * 4 * 125 * act, 0.0))
+    # ZeRO-2's gradient reduce-scatter runs between nodes only, over the 1/16 slice each GPU holds
+    rs = plan("stage2", work, layout)[0]
+    assert rs.link_bytes() == pytest.approx((0.0, 24 / 25 * GPT_100B.numel / 16 * 2))
+    assert predict("stage2", work, dgx2_v100(800), 400, tp=16).model_state_gb < 32
+
+
+def test_model_size_counts_give_llama_like_shapes():
+    from zerodp.scaling.workload import shape_for_count
+
+    for count in (1e8, 13e9, 175e9):
+        assert shape_for_count(count).numel == pytest.approx(count, rel=0.03)
+    with pytest.raises(ValueError, match="at least 1e8"):
+        shape_for_count(5e6)
