@@ -138,13 +138,16 @@ def _add_estimate(sub) -> None:
         epilog="examples:\n"
                "  zerodp estimate --params 7.5e9 --world-size 64   # 120 / 31.4 / 16.6 / 1.88 GB\n"
                "  zerodp estimate --model small --world-size 2     # the local job, with activations\n"
-               "  zerodp estimate --paper                          # Table 1 of the paper")
+               "  zerodp estimate --paper                          # Table 1 of the paper\n"
+               "  zerodp estimate --cluster h100-8x400g --model-size 70b --gpus 64,1024   # step time by mode")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", metavar="PSI", help="parameter count: 7.5e9, 7.5B, 350M, 1T")
     what.add_argument("--model", choices=list(MODEL_PRESETS), help="a bundled GPT preset: its exact "
                       "parameter count, plus activation and buffer memory")
     what.add_argument("--paper", action="store_true", help="print the paper's Table 1 (7.5B, 128B and 1T "
                       "parameters at DP degree 1 to 1024)")
+    from ..scaling.cli import add_cluster_options
+    add_cluster_options(p, what)
     p.add_argument("--world-size", type=int, metavar="N", help="data-parallel ranks (default 64 with --params, "
                    "2 with --model)")
     p.add_argument("--stage", type=int, choices=range(4), metavar="{0,1,2,3}", help="print only this stage")
@@ -298,6 +301,11 @@ def _render_whole_tensor_imbalance(model: str, numel: int, world_size: int, opti
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     from ..memory import estimate_model_numel, render_paper_table
 
+    from ..scaling.cli import refuse_unused_options, run
+
+    refuse_unused_options(ns)
+    if ns.cluster is not None:
+        return run(ns)
     if ns.paper:
         print("ZeRO paper, Table 1: per-device model-state memory (GB) of mixed-precision Adam (K=12) by DP "
               "degree; Pos = stage 1, Pos+g = stage 2, Pos+g+p = stage 3")
