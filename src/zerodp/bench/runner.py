@@ -90,7 +90,7 @@ def aggregate(runs: dict[str, list[list[dict]]], micro_batch: int, seq: int) -> 
             "loss_diff": max(diffs) if diffs else None, "final_loss": first["losses"][-1],
         }
     for name, row in rows.items():  # vs the fastest peer of a zerodp stage: the highest median per-round ratio
-        peers = [p for p in PEERS_OF_STAGE.get(int(name[-1]), []) if p in runs] if name.startswith("zerodp") else []
+        peers = [p for p in PEERS_OF_STAGE.get(int(name[6]), []) if p in runs] if name.startswith("zerodp") else []
         vs = {p: statistics.median(_ratios(runs[name], runs[p])) for p in peers}
         row["vs_peer"] = max(vs.items(), key=lambda kv: kv[1]) if vs else None
     return rows

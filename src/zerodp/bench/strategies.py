@@ -106,11 +106,11 @@ def fsdp2(model: nn.Module) -> Runner:
     return _plain(model, opt)
 
 
-def zerodp_stage(model: nn.Module, stage: int) -> Runner:
+def zerodp_stage(model: nn.Module, stage: int, **zero_keys) -> Runner:
     from ..engine import initialize
 
     engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
-                               {"zero_optimization": {"stage": stage}})
+                               {"zero_optimization": {"stage": stage, **zero_keys}})
 
     def states(which: str = "measured"):
         rep = getattr(engine.memory_report(), which)
@@ -143,6 +143,8 @@ STRATEGIES: dict[str, Callable[[nn.Module], Runner]] = {
     "fsdp2": fsdp2,
     **{f"zerodp{s}": (lambda m, s=s: zerodp_stage(m, s)) for s in range(4)},
     **{f"deepspeed{s}": (lambda m, s=s: deepspeed_stage(m, s)) for s in range(4)},
+    # ZeRO++'s quantized collectives (an approximation: its losses are not DDP's)
+    "zerodp3_qwz_qgz": lambda m: zerodp_stage(m, 3, zero_quantized_weights=True, zero_quantized_gradients=True),
 }
 
 # Which peers answer which ZeRO stage (for the ratio columns).
