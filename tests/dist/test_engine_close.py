@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
+from zerodp import comm
 from tests.dist.common import make_model, micro_batch
 from zerodp.stage3 import params as stage3_params
 
@@ -39,6 +40,9 @@ def close_returns_to_baseline(stage: int, nvme_dir: str, close_twice: bool) -> d
                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir},
                  "stage3_param_persistence_threshold": 0}
     model = make_model()
+    # the pool's ranks ran other cases before this one: a watchdog thread an earlier engine started (and did not
+    # close) would be stopped by this close() and make the count lower than the baseline
+    comm.watchdog.stop()
     before = _resources()
     engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero_optimization": zero})
     for step in range(2):
