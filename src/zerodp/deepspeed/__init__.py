@@ -25,10 +25,12 @@ from .. import comm as _comm
 from ..config import ConfigError, load_config
 from ..engine import ZeroEngine
 from ..optim.build import build_from_section, build_from_sections
-from . import comm, utils, zero
+from . import accelerator, comm, moe, ops, runtime, utils, zero
+from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "zero", "comm", "utils"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "get_accelerator",
+           "accelerator", "comm", "moe", "ops", "runtime", "utils", "zero"]
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,

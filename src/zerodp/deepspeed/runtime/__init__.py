@@ -1,0 +1,5 @@
+"""`deepspeed.runtime`: the helpers scripts import from it (`utils`, `dataloader`)."""
+
+from . import dataloader, utils
+
+__all__ = ["dataloader", "utils"]
