@@ -62,12 +62,10 @@ _DS_ONLY_KEYWORDS = ("prof", "log_name", "debug")
 
 
 def _torch_collective(name: str):
-    target = getattr(dist, name)
-
     def collective(*args, **kwargs):
         for key in _DS_ONLY_KEYWORDS:  # DeepSpeed's comms-logger arguments: nothing to log them to here
             kwargs.pop(key, None)
-        return target(*args, **kwargs)
+        return getattr(dist, name)(*args, **kwargs)
 
     collective.__name__ = collective.__qualname__ = name
     collective.__doc__ = f"`deepspeed.comm.{name}`: torch.distributed.{name} (DeepSpeed's logging keywords ignored)."
