@@ -25,7 +25,7 @@ from cases import CASES, EXPECTED, SEED, SHIM, command_args
 def main() -> None:
     results = {"_recorded_with": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
                                   "DS_ACCELERATOR": "cpu", "nproc_per_node": 2, "SEED_AT_START": SEED}}
-    for case in CASES:
+    for case in (c for c in CASES if c.reference == "deepspeed"):
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(SHIM), SEED_AT_START=str(SEED),
                        RECORD_ENGINE="deepspeed", RECORD_LOSSES=tmp, OMP_NUM_THREADS="1")
