@@ -107,11 +107,11 @@ def test_deepspeed_loss_reference_names_its_version():
 
 def test_script_needing_a_missing_module_stops_with_one_line(tmp_path):
     """DeepSpeedExamples' offload_states.py imports deepspeed.runtime.zero.offload_config (engine.offload_states,
-    not in zerodp): it stops at that import with one line naming the first missing package, before any work."""
+    not in zerodp): it stops at that import with one line naming it, before any work."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(SRC))
     proc = subprocess.run([sys.executable, "-m", "zerodp.deepspeed.run", str(SHIM.parent / "offload_states.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
-        "ModuleNotFoundError: deepspeed.runtime.zero is not provided by zerodp.deepspeed (see the "
+        "ModuleNotFoundError: deepspeed.runtime.zero.offload_config is not provided by zerodp.deepspeed (see the "
         "README's 'Switching from DeepSpeed' for the modules covered)")

@@ -107,10 +107,14 @@ def test_alias_resolves_deepspeed_imports_to_zerodp(alias):
     import zerodp.deepspeed
 
     assert importlib.import_module("deepspeed") is zerodp.deepspeed
-    for name in ("accelerator", "comm", "moe.utils", "ops.adam", "utils.logging", "runtime.utils", "zero"):
+    for name in ("accelerator", "comm", "moe.utils", "ops.adam", "utils.logging", "runtime.utils", "zero",
+                 "runtime.zero.partition_parameters"):
         assert importlib.import_module(f"deepspeed.{name}") is importlib.import_module(f"zerodp.deepspeed.{name}")
     from deepspeed import get_accelerator  # noqa: F401 (the collected scripts' two spellings)
     from deepspeed.accelerator import get_accelerator as g2  # noqa: F401
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    assert ZeroParamStatus.NOT_AVAILABLE.value == 2  # DeepSpeed's values
     with pytest.raises(ModuleNotFoundError, match="deepspeed.pipe is not provided by zerodp"):
         importlib.import_module("deepspeed.pipe")
     assert "run" not in alias.submodules() and "alias" not in alias.submodules()
@@ -149,3 +153,11 @@ def test_run_executes_an_unchanged_script_with_the_alias(alias, tmp_path, monkey
     assert out.read_text() == "zerodp.deepspeed cpu 0 --stage 2"
     with pytest.raises(SystemExit, match="usage"):
         main([])
+
+
+def test_deepspeeds_top_level_names_not_provided_say_what_they_are():
+    import zerodp.deepspeed as deepspeed
+
+    with pytest.raises(AttributeError, match=r"deepspeed.init_inference \(DeepSpeed-Inference\) is not provided"):
+        deepspeed.init_inference(torch.nn.Linear(1, 1))
+    assert not hasattr(deepspeed, "PipelineModule") and not hasattr(deepspeed, "nonsense")

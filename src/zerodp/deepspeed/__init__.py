@@ -30,8 +30,10 @@ DeepSpeed's examples/; transformers' and accelerate's integrations add the last 
     deepspeed.moe.utils.split_params_into_different_moe_       1  moe/utils.py (dense: groups
       groups_for_optimizer; deepspeed.moe.layer.MoE                 unchanged; MoE refused when called)
     deepspeed.runtime.utils: set_random_seed, see_memory_usage 1  runtime/utils.py
+    deepspeed.runtime.zero.partition_parameters.ZeroParamStatus 2 runtime/zero/ (the enum; zerodp's
+                                                                   parameters carry no ds_status)
     not provided (import fails naming the module): deepspeed.pipe, ops.sparse_attention,
-      DeepSpeedTransformerLayer, module_inject, runtime.zero.partition_parameters, runtime.data_pipeline,
+      DeepSpeedTransformerLayer, module_inject, runtime.zero.offload_config, runtime.data_pipeline,
       compression, comm.mori, ops.lion, ops.adagrad, checkpoint.utils, init_inference, tp_model_init
 
 This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config.compat`), the
@@ -69,6 +71,22 @@ from .engine import DeepSpeedEngine
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "get_accelerator",
            "accelerator", "comm", "moe", "ops", "runtime", "utils", "zero"]
+
+
+# DeepSpeed's top-level names that zerodp does not provide, with what they are (PEP 562 `__getattr__`)
+_NOT_PROVIDED = {
+    "init_inference": "DeepSpeed-Inference", "tp_model_init": "tensor parallelism",
+    "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels",
+    "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels",
+    "replace_transformer_layer": "DeepSpeed's kernel injection", "PipelineModule": "pipeline parallelism",
+    "DeepSpeedConfig": "DeepSpeed's config object (zerodp.load_config reads the same JSON)",
+}
+
+
+def __getattr__(name: str):
+    if name in _NOT_PROVIDED:
+        raise AttributeError(f"deepspeed.{name} ({_NOT_PROVIDED[name]}) is not provided by zerodp.deepspeed")
+    raise AttributeError(f"module 'zerodp.deepspeed' has no attribute {name!r}")
 
 
 def _usable_backend(dist_backend: str) -> str:

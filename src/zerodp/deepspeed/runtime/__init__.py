@@ -1,5 +1,5 @@
-"""`deepspeed.runtime`: the helpers scripts import from it (`utils`, `dataloader`)."""
+"""`deepspeed.runtime`: the helpers scripts import from it (`utils`, `dataloader`, `zero`)."""
 
-from . import dataloader, utils
+from . import dataloader, utils, zero
 
-__all__ = ["dataloader", "utils"]
+__all__ = ["dataloader", "utils", "zero"]
