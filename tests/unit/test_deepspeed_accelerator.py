@@ -23,8 +23,9 @@ def test_cpu_answers_as_deepspeeds_cpu_accelerator(monkeypatch):
     assert a.Stream is None and a.Event is None and a.current_stream() is None
     with a.stream(None):
         pass
-    assert a.is_bf16_supported() is True and a.supported_dtypes()[:2] == [torch.float32, torch.bfloat16] or \
-        a.supported_dtypes() == [torch.float32, torch.half, torch.bfloat16]
+    fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())  # DeepSpeed's CPU test (False on this VM)
+    assert a.is_bf16_supported() is True and a.is_fp16_supported() is fp16
+    assert a.supported_dtypes() == [torch.float32] + [torch.half] * fp16 + [torch.bfloat16]
     t = torch.zeros(3)
     assert a.on_accelerator(t) and a.pin_memory(t) is t and not a.is_pinned(t)
     assert not a.on_accelerator(torch.zeros(1, device="meta"))
@@ -65,8 +66,8 @@ def _fake_cuda(capability=(8, 0), available=True):
         set_device=lambda i: calls.append(("set_device", i)), synchronize=lambda i=None: calls.append(("sync", i)),
         manual_seed=lambda s: calls.append(("seed", s)), manual_seed_all=lambda s: calls.append(("seed_all", s)),
         Stream="StreamClass", Event="EventClass", stream=lambda s: ("stream_ctx", s),
-        memory_allocated=lambda i=None: 100, max_memory_allocated=lambda i=None: 150, memory_reserved=lambda i=None: 200,
-        max_memory_reserved=lambda i=None: 250, empty_cache=lambda: calls.append(("empty",)),
+        memory_allocated=lambda i=None: 100, max_memory_allocated=lambda i=None: 150,
+        memory_reserved=lambda i=None: 200, max_memory_reserved=lambda i=None: 250, empty_cache=lambda: calls.append(("empty",)),
         reset_peak_memory_stats=lambda i=None: calls.append(("reset", i)),
         get_device_properties=lambda i=None: types.SimpleNamespace(total_memory=1000),
         is_bf16_supported=lambda: False, get_device_capability=lambda: capability)

@@ -14,8 +14,9 @@ from ....optim.deepspeed_types import _adam
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]
 
 
-def FusedAdam(params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,  # noqa: N802
-              adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True):
+def FusedAdam(params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),  # noqa: N802
+              eps: float = 1e-8, adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
+              set_grad_none: bool = True):
     """DeepSpeed's FusedAdam (amsgrad is refused, as DeepSpeed refuses it)."""
     if amsgrad:
         raise RuntimeError("FusedAdam does not support the AMSGrad variant (DeepSpeed refuses it too)")
