@@ -67,7 +67,8 @@ def _fake_cuda(capability=(8, 0), available=True):
         manual_seed=lambda s: calls.append(("seed", s)), manual_seed_all=lambda s: calls.append(("seed_all", s)),
         Stream="StreamClass", Event="EventClass", stream=lambda s: ("stream_ctx", s),
         memory_allocated=lambda i=None: 100, max_memory_allocated=lambda i=None: 150,
-        memory_reserved=lambda i=None: 200, max_memory_reserved=lambda i=None: 250, empty_cache=lambda: calls.append(("empty",)),
+        memory_reserved=lambda i=None: 200, max_memory_reserved=lambda i=None: 250,
+        empty_cache=lambda: calls.append(("empty",)),
         reset_peak_memory_stats=lambda i=None: calls.append(("reset", i)),
         get_device_properties=lambda i=None: types.SimpleNamespace(total_memory=1000),
         is_bf16_supported=lambda: False, get_device_capability=lambda: capability)

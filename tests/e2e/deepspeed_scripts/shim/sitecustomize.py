@@ -1,9 +1,10 @@
 """Test instrumentation for the fixture scripts. With SEED_AT_START=<n>, each training rank seeds torch
 with n at interpreter start: scripts that never seed (the CIFAR example) otherwise start from torch's
 random default seed, and their losses could not be compared with a recorded run. Then, with
-RECORD_LOSSES=<dir>, every loss passed to `engine.backward` is recorded and written to <dir>/losses_rank<RANK>.json at exit, for zerodp's adapter
-(RECORD_ENGINE=zerodp) or real DeepSpeed (RECORD_ENGINE=deepspeed, in the bench venv). Scripts print
-their losses rounded or not at all; this reads them exactly without editing the scripts."""
+RECORD_LOSSES=<dir>, every loss passed to `engine.backward` is recorded and written to
+<dir>/losses_rank<RANK>.json at exit, for zerodp's adapter (RECORD_ENGINE=zerodp) or real DeepSpeed
+(RECORD_ENGINE=deepspeed, in the bench venv). Scripts print their losses rounded or not at all; this
+reads them exactly without editing the scripts."""
 
 import os
 
