@@ -45,10 +45,10 @@ def assert_losses_match(case, got: list, want: list) -> None:
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), case.name
         return
     # bf16: the first loss comes before any update, from the same bf16 weights: bitwise equal. Later losses
-    # are allowed 2 bf16 ulps (observed: CIFAR bitwise, the GPT 2 ulps): DeepSpeed 0.19.8 on CPU is that far from plain PyTorch's bf16 forward of
-    # unchanged weights from the second step on (the GPT with lr 0: 4.21875 where plain PyTorch and zerodp
-    # give 4.15625), while zerodp equals plain PyTorch bitwise (case sdma-zero3-bf16-lr0). The cause in
-    # DeepSpeed was not traced.
+    # are allowed 2 bf16 ulps (observed: CIFAR bitwise, the GPT 2 ulps): DeepSpeed 0.19.8 on CPU is that far
+    # from plain PyTorch's bf16 forward of unchanged weights from the second step on (the GPT with lr 0:
+    # 4.21875 where plain PyTorch and zerodp give 4.15625), while zerodp equals plain PyTorch bitwise (case
+    # sdma-zero3-bf16-lr0). The cause in DeepSpeed was not traced.
     assert got[0] == want[0], f"{case.name}: first loss {got[0]} != DeepSpeed's {want[0]}"
     for step, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= 2 * _bf16_ulp(w), f"{case.name} step {step}: {g} vs DeepSpeed's {w}"
