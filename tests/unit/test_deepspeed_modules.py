@@ -161,3 +161,18 @@ def test_deepspeeds_top_level_names_not_provided_say_what_they_are():
     with pytest.raises(AttributeError, match=r"deepspeed.init_inference \(DeepSpeed-Inference\) is not provided"):
         deepspeed.init_inference(torch.nn.Linear(1, 1))
     assert not hasattr(deepspeed, "PipelineModule") and not hasattr(deepspeed, "nonsense")
+
+
+def test_see_memory_usage_logs_only_when_forced(caplog):
+    from zerodp.deepspeed.runtime.utils import see_memory_usage
+    from zerodp.deepspeed.utils.logging import logger
+
+    logger.propagate = True
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            see_memory_usage("not forced")
+            see_memory_usage("after init", force=True)
+    finally:
+        logger.propagate = False
+    assert "not forced" not in caplog.text
+    assert "after init" in caplog.text and "Max_MA" in caplog.text and "CPU Virtual Memory" in caplog.text
