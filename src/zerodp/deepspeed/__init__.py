@@ -1,15 +1,55 @@
-"""DeepSpeed's training API over zerodp: a DeepSpeed script switches by changing one import line,
+"""DeepSpeed's training API over zerodp. A DeepSpeed script switches by changing one import line,
 
     import zerodp.deepspeed as deepspeed        # was: import deepspeed
+
+or runs unchanged, its `import deepspeed` / `from deepspeed.X import Y` resolved to this package by
+
+    torchrun --nproc_per_node 2 -m zerodp.deepspeed.run train.py ARGS     (alias.py, run.py)
 
 and keeps `deepspeed.initialize(args=..., model=..., model_parameters=..., config=...)`,
 `engine.backward(loss)`, `engine.step()`, `engine.save_checkpoint(dir, client_state=...)`,
 `engine.load_checkpoint(dir)`, `deepspeed.zero.Init`, `deepspeed.comm.get_rank()`, ...
 
+What real scripts import and call (counted in DeepSpeedExamples' training/ and DeepSpeed-Chat, and
+DeepSpeed's examples/; transformers' and accelerate's integrations add the last rows):
+
+    import / call                                          uses  here
+    deepspeed.initialize / add_config_arguments /            35+  engine.py, this file
+      init_distributed
+    deepspeed.comm as dist: get_rank, get_world_size,       38+  comm.py (collectives are torch's,
+      barrier, new_group, all_reduce, broadcast, gather, ...       DeepSpeed's logging keywords dropped)
+    deepspeed.accelerator.get_accelerator (also `from         18  accelerator.py
+      deepspeed import get_accelerator`): device_name 15,
+      set_device 5, memory_allocated 5, current_device_name 3,
+      max_memory_*/memory_reserved/reset_peak_memory_stats 2,
+      is_available 2, device_count 2, manual_seed_all 1
+    deepspeed.zero.GatheredParameters / zero.Init              8  zero.py
+    deepspeed.ops.adam.DeepSpeedCPUAdam / FusedAdam            6  ops/adam (torch's Adam/AdamW)
+    deepspeed.utils: logger, log_dist, RepeatingLoader,        4  utils/
+      safe_get_full_*; utils.logging.logger
+    deepspeed.moe.utils.split_params_into_different_moe_       1  moe/utils.py (dense: groups
+      groups_for_optimizer; deepspeed.moe.layer.MoE                 unchanged; MoE refused when called)
+    deepspeed.runtime.utils: set_random_seed, see_memory_usage 1  runtime/utils.py
+    deepspeed.runtime.zero.partition_parameters.ZeroParamStatus 2 runtime/zero/ (the enum; zerodp's
+                                                                   parameters carry no ds_status)
+    not provided (import fails naming the module): deepspeed.pipe, ops.sparse_attention,
+      DeepSpeedTransformerLayer, module_inject, runtime.zero.offload_config, runtime.data_pipeline,
+      compression, comm.mori, ops.lion, ops.adagrad, checkpoint.utils, init_inference, tp_model_init
+
 This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config.compat`), the
 optimizers (`optim.deepspeed_types`) and the schedules (`optim.lr_schedules`) are zerodp's own.
-Where zerodp differs from DeepSpeed on purpose (see `DeepSpeedEngine`), it is exact: every stage
-equals plain single-process PyTorch on the global batch.
+
+Where zerodp differs from DeepSpeed on purpose (the engine's differences are in engine.py):
+  - `zero.Init`: DeepSpeed's parameters are empty while a Hugging Face model runs its weight
+    initialization (unless the script made an `HfDeepSpeedConfig`), so DeepSpeed trains torch's default
+    initialization; zerodp's parameters keep their shapes, so the model's own initialization applies
+    and the run equals plain PyTorch. Modules that initialize without HF (the collected scripts) start
+    from the same weights in both.
+  - `init_distributed(dist_backend="cpu:gloo,cuda:nccl")`: DeepSpeed hands the list to torch, which fails
+    on a build without NCCL; zerodp keeps the entries torch has, so the script runs on CPU.
+  - `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` return torch optimizers (the same update), so
+    `isinstance(opt, FusedAdam)` does not work; there is no CPU-offloaded step.
+  - `get_accelerator().device_count()` on CPU is LOCAL_SIZE or 1 (DeepSpeed counts NUMA nodes).
 """
 
 from __future__ import annotations
@@ -25,10 +65,47 @@ from .. import comm as _comm
 from ..config import ConfigError, load_config
 from ..engine import ZeroEngine
 from ..optim.build import build_from_section, build_from_sections
-from . import comm, utils, zero
+from . import accelerator, comm, moe, ops, runtime, utils, zero
+from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "zero", "comm", "utils"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "get_accelerator",
+           "accelerator", "comm", "moe", "ops", "runtime", "utils", "zero"]
+
+
+# DeepSpeed's top-level names that zerodp does not provide, with what they are (PEP 562 `__getattr__`)
+_NOT_PROVIDED = {
+    "init_inference": "DeepSpeed-Inference", "tp_model_init": "tensor parallelism",
+    "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels",
+    "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels",
+    "replace_transformer_layer": "DeepSpeed's kernel injection", "PipelineModule": "pipeline parallelism",
+    "DeepSpeedConfig": "DeepSpeed's config object (zerodp.load_config reads the same JSON)",
+}
+
+
+def __getattr__(name: str):
+    if name in _NOT_PROVIDED:
+        raise AttributeError(f"deepspeed.{name} ({_NOT_PROVIDED[name]}) is not provided by zerodp.deepspeed")
+    raise AttributeError(f"module 'zerodp.deepspeed' has no attribute {name!r}")
+
+
+def _usable_backend(dist_backend: str) -> str:
+    """`dist_backend` without the `device:backend` entries whose backend this torch build lacks.
+
+    DeepSpeed passes "cpu:gloo,cuda:nccl" to torch, which fails on a CPU-only build ("doesn't have NCCL
+    built in"); zerodp keeps the entries torch can serve (gloo for CPU tensors), so such a script runs on
+    CPU. A plain backend name ("nccl") is passed as given: asking for it on a build without it fails.
+    """
+    if ":" not in dist_backend:
+        return dist_backend
+    available = {"gloo": torch.distributed.is_gloo_available(), "nccl": torch.distributed.is_nccl_available(),
+                 "mpi": torch.distributed.is_mpi_available()}
+    entries = [e.strip() for e in dist_backend.split(",") if e.strip()]
+    kept = [e for e in entries if available.get(e.split(":", 1)[1], True)]
+    if not kept:
+        raise RuntimeError(f"init_distributed(dist_backend={dist_backend!r}): none of these backends is built "
+                           f"into this torch; pass one that is (gloo on CPU)")
+    return ",".join(kept)
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
@@ -36,7 +113,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                      dist_init_required=None, config=None, rank: int = -1, world_size: int = -1) -> None:
     """Initialize torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU) if not done yet."""
     if dist_backend is not None and not torch.distributed.is_initialized() and "RANK" in __import__("os").environ:
-        torch.distributed.init_process_group(backend=dist_backend)
+        torch.distributed.init_process_group(backend=_usable_backend(dist_backend))
         return
     _comm.init_distributed()
 

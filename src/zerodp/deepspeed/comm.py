@@ -54,3 +54,27 @@ def log_summary(show_straggler: bool = False) -> str:
     if logger.rank == 0:
         logging.getLogger("zerodp").info("%s", text)
     return text
+
+
+# --- the collectives, as torch.distributed's (DeepSpeed's own wrappers add logging keywords, dropped here) ---
+ReduceOp = dist.ReduceOp
+_DS_ONLY_KEYWORDS = ("prof", "log_name", "debug")
+
+
+def _torch_collective(name: str):
+    def collective(*args, **kwargs):
+        for key in _DS_ONLY_KEYWORDS:  # DeepSpeed's comms-logger arguments: nothing to log them to here
+            kwargs.pop(key, None)
+        return getattr(dist, name)(*args, **kwargs)
+
+    collective.__name__ = collective.__qualname__ = name
+    collective.__doc__ = f"`deepspeed.comm.{name}`: torch.distributed.{name} (DeepSpeed's logging keywords ignored)."
+    return collective
+
+
+for _name in ("all_reduce", "broadcast", "all_gather", "gather", "scatter", "reduce", "reduce_scatter",
+              "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "send", "recv",
+              "isend", "irecv", "new_group", "get_global_rank", "destroy_process_group", "get_backend",
+              "monitored_barrier", "all_gather_object", "broadcast_object_list", "init_process_group"):
+    globals()[_name] = _torch_collective(_name)
+del _name

@@ -8,12 +8,12 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.state import master_index, sharded_units
-from ..checkpoint.consolidate import gather_flat
+from ...checkpoint.state import master_index, sharded_units
+from ...checkpoint.consolidate import gather_flat
 
 
 def _locate(param: torch.nn.Parameter):
-    from .engine import ENGINE_OF_PARAM
+    from ..engine import ENGINE_OF_PARAM
 
     wrapper = ENGINE_OF_PARAM.get(id(param))
     if wrapper is None:

@@ -1,0 +1,51 @@
+"""Run a DeepSpeed script unchanged: make `import deepspeed` and `from deepspeed.X import Y` resolve to
+`zerodp.deepspeed` and its submodules.
+
+`install()` imports every submodule of zerodp.deepspeed (each imports without side effects) and registers
+it in `sys.modules` under DeepSpeed's name, so `import deepspeed.comm as dist` finds `zerodp.deepspeed.comm`
+(an installed DeepSpeed is never imported: `sys.modules` is consulted first). Any other `deepspeed.*`
+module is refused by a finder with one line naming it (e.g. `deepspeed.pipe`: pipeline parallelism).
+`python -m zerodp.deepspeed.run script.py ARGS` calls `install()` and runs the script (see run.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import pkgutil
+import sys
+
+ALIAS = "deepspeed"
+TARGET = "zerodp.deepspeed"
+# modules a script may run through `python -m zerodp.deepspeed.run`, not part of DeepSpeed's namespace
+_OWN = {"alias", "run"}
+
+
+class _RefuseUncovered(importlib.abc.MetaPathFinder):
+    """Refuse `deepspeed.*` modules zerodp does not provide, naming the module (placed after sys.modules)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith(ALIAS + "."):
+            raise ModuleNotFoundError(f"{fullname} is not provided by zerodp.deepspeed (see the README's "
+                                      f"'Switching from DeepSpeed' for the modules covered)", name=fullname)
+        return None
+
+
+def submodules() -> list[str]:
+    """The dotted names (relative to zerodp.deepspeed) of every submodule the alias covers."""
+    package = importlib.import_module(TARGET)
+    names = []
+    for info in pkgutil.walk_packages(package.__path__, prefix=TARGET + "."):
+        name = info.name[len(TARGET) + 1:]
+        if name.split(".")[0] not in _OWN:
+            names.append(name)
+    return names
+
+
+def install() -> None:
+    """Register zerodp.deepspeed and its submodules as `deepspeed` and `deepspeed.*` (idempotent)."""
+    sys.modules[ALIAS] = importlib.import_module(TARGET)
+    for name in submodules():
+        sys.modules[f"{ALIAS}.{name}"] = importlib.import_module(f"{TARGET}.{name}")
+    if not any(isinstance(finder, _RefuseUncovered) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RefuseUncovered())

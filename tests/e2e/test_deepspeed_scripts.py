@@ -1,0 +1,117 @@
+"""Acceptance: training scripts published by DeepSpeed (examples/) and DeepSpeedExamples (training/),
+byte-identical copies in tests/e2e/deepspeed_scripts/ (SOURCES.md), run unchanged under torchrun on 2
+gloo ranks through `python -m zerodp.deepspeed.run`, and their per-rank losses equal those real DeepSpeed
+0.19.8 produced for the same command (recorded by deepspeed_scripts/record_deepspeed.py).
+
+One case is compared with plain PyTorch instead: the GPT in bf16 with lr 0, whose every loss must be
+plain PyTorch's bf16 forward of the initial weights, bitwise (DeepSpeed's own bf16 losses are not: see
+`assert_losses_match`).
+
+The default suite runs three cases (CIFAR fp32 at stage 3, the ZeRO-3 GPT with its published bf16
+config and with lr 0), about 35 s on 2 idle cores; every case (CIFAR at stages 0-3 and in bf16, the GPT
+in fp32 too):
+
+    ZERODP_ALL_SCRIPT_STAGES=1 python -m pytest tests/e2e/test_deepspeed_scripts.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_scripts"))
+from cases import CASES, EXPECTED, SEED, SHIM, command_args  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ALL = os.environ.get("ZERODP_ALL_SCRIPT_STAGES") == "1"
+SELECTED = [c for c in CASES if ALL or c.default]
+
+
+def _bf16_ulp(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)  # bf16 keeps 8 significant bits
+
+
+def assert_losses_match(case, got: list, want: list) -> None:
+    assert len(got) == len(want) > 0, f"{case.name}: {len(got)} losses, DeepSpeed recorded {len(want)}"
+    if not case.bf16:
+        # fp32: the same operations in the same order as DeepSpeed except the gradient reduction (DeepSpeed
+        # reduces bucket by bucket); observed: at most 2.1e-7 relative (CIFAR, 8 steps), 1.1e-7 (the GPT).
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), case.name
+        return
+    # bf16: the first loss comes before any update, from the same bf16 weights: bitwise equal. Later losses
+    # are allowed 2 bf16 ulps (observed: CIFAR bitwise, the GPT 2 ulps): DeepSpeed 0.19.8 on CPU is that far
+    # from plain PyTorch's bf16 forward of unchanged weights from the second step on (the GPT with lr 0:
+    # 4.21875 where plain PyTorch and zerodp give 4.15625), while zerodp equals plain PyTorch bitwise (case
+    # sdma-zero3-bf16-lr0). The cause in DeepSpeed was not traced.
+    assert got[0] == want[0], f"{case.name}: first loss {got[0]} != DeepSpeed's {want[0]}"
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= 2 * _bf16_ulp(w), f"{case.name} step {step}: {g} vs DeepSpeed's {w}"
+
+
+def plain_sdma_losses(world: int = 2, steps: int = 4) -> list:
+    """Plain PyTorch, bf16: the sdma script's own model (seed 42, as its main) and synthetic samples, each
+    rank's micro-batch of one sample (DistributedSampler without shuffle: rank r's step s is 2 s + r)."""
+    import importlib
+
+    import torch
+
+    from zerodp.deepspeed import alias
+
+    saved = {k: v for k, v in sys.modules.items() if k == "deepspeed" or k.startswith("deepspeed.")}
+    alias.install()  # the script's module-level `import deepspeed`
+    try:
+        script = importlib.import_module("sdma_train_zero3")
+    finally:
+        for k in [k for k in sys.modules if k == "deepspeed" or k.startswith("deepspeed.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    torch.manual_seed(42)
+    model = script.GPT2Model(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16,
+                             dropout=0.0).to(torch.bfloat16)
+    data = script.SyntheticTextDataset(64, 16, 16)
+    with torch.no_grad():
+        return [[model(data[world * s + r][0][None], labels=data[world * s + r][1][None])[0].item()
+                 for s in range(steps)] for r in range(world)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", SELECTED, ids=[c.name for c in SELECTED])
+def test_deepspeed_script_losses_equal_deepspeed(tmp_path, case):
+    expected = json.loads(EXPECTED.read_text())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SHIM), str(SRC)]),
+               SEED_AT_START=str(SEED), RECORD_LOSSES=str(tmp_path), RECORD_ENGINE="zerodp")
+    env.pop("DS_ACCELERATOR", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29741", "-m", "zerodp.deepspeed.run", *command_args(case, tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    for rank in range(2):
+        got = json.loads((tmp_path / f"losses_rank{rank}.json").read_text())
+        if case.reference == "plain":
+            assert got == plain_sdma_losses()[rank], f"{case.name} rank {rank}: not bitwise plain PyTorch's"
+        else:
+            assert_losses_match(case, got, expected[case.name][rank])
+
+
+def test_deepspeed_loss_reference_names_its_version():
+    meta = json.loads(EXPECTED.read_text())["_recorded_with"]
+    assert meta["deepspeed"] == "0.19.8" and meta["nproc_per_node"] == 2
+    assert {c.name for c in CASES if c.reference == "deepspeed"} <= set(json.loads(EXPECTED.read_text()))
+
+
+def test_script_needing_a_missing_module_stops_with_one_line(tmp_path):
+    """DeepSpeedExamples' offload_states.py imports deepspeed.runtime.zero.offload_config (engine.offload_states,
+    not in zerodp): it stops at that import with one line naming it, before any work."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(SRC))
+    proc = subprocess.run([sys.executable, "-m", "zerodp.deepspeed.run", str(SHIM.parent / "offload_states.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: deepspeed.runtime.zero.offload_config is not provided by zerodp.deepspeed (see the "
+        "README's 'Switching from DeepSpeed' for the modules covered)")
