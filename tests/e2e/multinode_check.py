@@ -19,11 +19,12 @@ import subprocess
 import sys
 import tempfile
 
+# the job of tests/e2e/test_multinode.py too
 TINY = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--log-every", "2", "--stage", "3",
         "--save-every", "0"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -31,7 +32,7 @@ def _free_port() -> int:
 
 def two_nodes_once(out: str, steps: int = 4) -> list[tuple[int, str]]:
     """One two-node run; returns (exit code, stderr tail) per agent."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id",

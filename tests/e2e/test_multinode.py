@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,16 +16,8 @@ import pytest
 import torch
 
 import zerodp
+from tests.e2e.multinode_check import TINY, free_port as _free_port
 from tests.e2e.test_train import metric_steps, zerodp as run_zerodp
-
-TINY = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--log-every", "2", "--stage", "3",
-        "--save-every", "0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(900)  # four launches, each with its own timeout
