@@ -44,6 +44,7 @@ from zerodp import comm  # noqa: E402
 from zerodp.examples.gpt import GPT, MODEL_PRESETS  # noqa: E402
 
 NEW_TOKENS, PROMPT = 64, 8
+EVAL_BATCHES = 16  # per rank, of 4 x 64 tokens
 MODES = ("unsharded", "stage3", "stage3-quarter", "stage3-nocache")
 
 
@@ -161,7 +162,7 @@ def bench_evaluate(rounds: int, out_dir: str) -> dict:
     from zerodp.integrations.transformers import ZeroTrainer
 
     world = dist.get_world_size()
-    data = EvalSet(16 * 4 * world)
+    data = EvalSet(EVAL_BATCHES * 4 * world)
     trainers = {}
     for mode, zero in (("unsharded", None), ("stage3", {}), ("stage3-nocache", {"stage3_inference_memory_fraction": 0.0})):
         args = TrainingArguments(output_dir=os.path.join(out_dir, mode), per_device_train_batch_size=4,
@@ -199,7 +200,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results/generation")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="4 tokens, 1 round, 2 eval batches: checks the script")
     args = parser.parse_args()
+    global NEW_TOKENS, EVAL_BATCHES
+    if args.smoke:
+        NEW_TOKENS, EVAL_BATCHES, args.rounds = 4, 2, 1
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     results = {"world_size": dist.get_world_size(), "torch": torch.__version__,
