@@ -241,3 +241,36 @@ def test_generate_then_train_loop_equals_unsharded_and_memory_is_flat(dist_run):
         # no leak: the peak RSS of each iteration after the 3rd stays within 5% of the first three's
         early, late = max(r["rss"][:3]), max(r["rss"][3:])
         assert late <= 1.05 * early, f"peak RSS grew from {early / 2**20:.1f} MiB to {late / 2**20:.1f} MiB"
+
+
+# -- zerodp train's validation pass and end-of-run sample ---------------------------------------------------
+
+
+def train_path_run() -> dict:
+    from zerodp.examples.corpus import ByteCorpus
+    from zerodp.examples.gpt import MODEL_PRESETS
+    from zerodp.examples.train import SAMPLE_NEW_BYTES, evaluate, sample_text
+    from zerodp.examples.train_args import TrainArgs
+
+    model = GPT(MODEL_PRESETS["tiny"], seed=0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, **config("Block")}
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    corpus = ByteCorpus(bytes(range(256)) * 64)
+    args = TrainArgs(nproc=WORLD, steps=1, model="tiny", seq_len=32, lr=0.1, seed=0, log_every=1, out="",
+                     precision="fp32", config=cfg)
+    out = {"total": sharded_numel(engine), "forwards": SAMPLE_NEW_BYTES}
+    with comm.record() as log:
+        out["val_loss"] = evaluate(engine, corpus, args)
+    out["val_gathers"], out["live_after_val"] = gathers(log), engine.sharding.live_numel
+    with comm.record() as log:
+        out["sample"] = sample_text(engine, args)
+    out["sample_gathers"], out["live_after_sample"] = gathers(log), engine.sharding.live_numel
+    return out
+
+
+def test_zerodp_train_validation_and_sample_gather_each_unit_once(dist_run):
+    for r in dist_run(WORLD, train_path_run):
+        # 8 validation forwards and 200 sampling forwards: each unit gathered once, released afterwards
+        assert r["val_gathers"] == r["total"] and r["sample_gathers"] == r["total"], r
+        assert r["live_after_val"] == 0 and r["live_after_sample"] == 0
+        assert len(r["sample"]) > 0

@@ -121,3 +121,19 @@ def test_residency_transitions_are_asserted():
         flat.unkeep()
     with pytest.raises(AssertionError, match="not in use"):
         flat.keep()  # sharded, nobody holds it: nothing to keep
+
+
+def test_inference_mode_forwards_keep_units_and_training_follows():
+    model = Branches()
+    engine = engine_for(model)
+    engine.eval()
+    with torch.inference_mode():
+        first = engine(torch.ones(2, WIDTH))
+        with comm.record() as log:
+            again = engine(torch.ones(2, WIDTH))
+    assert torch.equal(first, again) and not log.of("all_gather", "param")
+    engine.train()  # training after inference_mode forwards: released, gathered afresh, gradients flow
+    loss = engine(torch.ones(2, WIDTH)).pow(2).sum()
+    engine.backward(loss)
+    engine.step()
+    assert engine.sharding.live_numel == 0
