@@ -255,7 +255,15 @@ class ZeroEngine:
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
+        if mode:
+            self._release_kept_units()
         return self
+
+    def _release_kept_units(self) -> None:
+        # stage 3 keeps units gathered between evaluation forwards (stage3/inference_cache.py)
+        release = getattr(self.sharding, "release_kept_units", None)
+        if release is not None:
+            release()
 
     def eval(self) -> "ZeroEngine":
         return self.train(False)
@@ -289,6 +297,7 @@ class ZeroEngine:
     def load_checkpoint(self, load_dir, tag: Optional[str] = None) -> dict:
         """Resume from a checkpoint (any world size or stage); returns the saved client_state."""
         watchdog.activity.enter("checkpoint")
+        self._release_kept_units()  # their gathered values are about to go stale
         with self._params_resident(dirty=True):
             return load_checkpoint(self, load_dir, tag=tag)
 

@@ -182,7 +182,11 @@ def inference_run() -> dict:
     xb, _ = float_batch(0, 4)
     with torch.no_grad():
         out["batchnorm"] = (bn_engine(xb), bn_ref(xb))
+    # units gathered by the no_grad eval forwards stay gathered for the next ones (stage3/inference_cache.py)
     out["live"] = engine.sharding.live_numel + bn_engine.sharding.live_numel
+    engine.train()
+    bn_engine.train()
+    out["live_after_train"] = engine.sharding.live_numel + bn_engine.sharding.live_numel
     return out
 
 
@@ -192,7 +196,8 @@ def test_inference_equals_unsharded_model(dist_run, world):
         for key in ("logits", "generated", "grad_mode_eval", "batchnorm"):
             got, ref = r[key]
             assert torch.equal(got, ref), key
-        assert r["live"] == 0
+        assert r["live"] > 0, "inference forwards keep their units gathered"
+        assert r["live_after_train"] == 0, "train() releases every kept unit"
 
 
 # -- the contract of partitioned parameters --------------------------------------------------------

@@ -63,8 +63,9 @@ NO_EFFECT: dict[str, NoEffect] = {
         "zerodp always all-gathers the updated shards after the step (DeepSpeed's default, true)", lambda v: v is True,
         "allgather_partitions=false (a broadcast per partition) is not implemented; remove it or set true"),
     "zero_optimization.stage3_max_reuse_distance": NoEffect(
-        "zerodp releases a unit's gathered parameters after use and re-gathers them in recorded order "
-        "(stage3_prefetch_bucket_size and stage3_max_live_parameters bound what is kept)"),
+        "in training zerodp releases a unit's gathered parameters after use and re-gathers them in recorded "
+        "order (stage3_prefetch_bucket_size and stage3_max_live_parameters bound what is kept); in evaluation "
+        "and generation units stay gathered between forwards within stage3_inference_memory_fraction"),
     "zero_optimization.round_robin_gradients": NoEffect(
         "an ordering of gradient copies for CPU offload in DeepSpeed; results are the same"),
     "zero_optimization.use_multi_rank_bucket_allreduce": NoEffect("a DeepSpeed kernel choice; results are the same"),

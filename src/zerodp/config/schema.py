@@ -98,6 +98,14 @@ class ZeroOptimizationConfig(StrictModel):
                                                        "default is 5e7 elements. 0 disables prefetch.")
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, description="Stage 3: most gathered (full) "
                                             "parameter elements alive at once, prefetch included.")
+    stage3_inference_memory_fraction: float = Field(0.5, ge=0, le=1, description="Stage 3, evaluation and "
+                                                     "generation (module in eval mode, grad disabled): units "
+                                                     "gathered for a forward stay gathered for the next ones while "
+                                                     "their elements fit this fraction of the free device (host on "
+                                                     "CPU) memory measured when evaluation starts, and at most "
+                                                     "stage3_max_live_parameters; beyond it the least recently used "
+                                                     "are released. All are released when training resumes or the "
+                                                     "parameters change. 0: re-gather every forward, as in training.")
     stage3_param_persistence_threshold: int = Field(100_000, ge=0, description="Stage 3: parameters with fewer "
                                                     "elements stay whole on every rank.")
     stage3_unit_modules: list[str] = Field(default_factory=list, description="Stage 3: module class names that "

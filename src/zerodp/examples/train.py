@@ -112,7 +112,10 @@ def _mean_over_ranks(value: float) -> float:
 
 @torch.no_grad()
 def evaluate(engine, corpus: ByteCorpus, args: TrainArgs) -> float:
-    """Mean loss over VAL_BATCHES validation micro-batches per rank, averaged over ranks."""
+    """Mean loss over VAL_BATCHES validation micro-batches per rank, averaged over ranks.
+
+    eval() + no_grad: at stage 3 each unit is gathered by the first batch only and kept for the
+    others (stage3/inference_cache.py); engine.train() at the end releases them."""
     engine.eval()
     rank, world = comm.get_rank(), comm.get_world_size()
     total = 0.0
@@ -127,7 +130,8 @@ def evaluate(engine, corpus: ByteCorpus, args: TrainArgs) -> float:
 @torch.no_grad()
 def sample_text(engine, args: TrainArgs) -> str:
     """Top-k sample from the trained model. Runs on every rank: under stage 3 each forward gathers
-    parameters collectively, so all ranks must take the same number of forwards (same seed, same text)."""
+    parameters collectively, so all ranks must take the same number of forwards (same seed, same text).
+    As in `evaluate`, units gathered by the first token's forward stay gathered until engine.train()."""
     engine.eval()
     prompt = ByteCorpus.encode(SAMPLE_PROMPT).long()[None].to(_device())
     generator = torch.Generator().manual_seed(args.seed)

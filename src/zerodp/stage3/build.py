@@ -17,6 +17,7 @@ from ..config import ZeroConfig
 from ..errors import ConfigError
 from ..offload.build import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit
+from .inference_cache import InferenceCache
 from .module_unit import ModuleUnit
 from .params import owner_of
 from .schedule import Schedule
@@ -86,7 +87,9 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
         # higher per rank than one unit ahead).
         prefetch_numel = max((sum(f.layout.padded_numel for f in owned if not f.persistent)
                               for plan, owned in owned_by_unit if plan.module is not model), default=0)
-    schedule = Schedule(flats, shards, prefetch_numel, zero.stage3_max_live_parameters)
+    inference = InferenceCache(shards, params[0].device, flats[0].gathered.tensor.element_size(),
+                               zero.stage3_inference_memory_fraction, zero.stage3_max_live_parameters)
+    schedule = Schedule(flats, shards, prefetch_numel, zero.stage3_max_live_parameters, inference)
     module_units = [ModuleUnit(plan.module, plan.name, owned, schedule, is_root=plan.module is model)
                     for plan, owned in owned_by_unit]
     return Stage3Sharding(model, module_units, flats, shards, schedule, zero.overlap_comm, param_home=param_home,

@@ -22,7 +22,7 @@ Two variants share the class:
   storage at all, never seen by the optimizer.
 
 Parameter states (asserted): SHARDED -> GATHERING -> GATHERED -> SHARDED; gradient states are
-`GradShard`'s. A flat unit knows nothing above it: module units acquire and release it, the strategy
+`GradShard`'s; between inference forwards a GATHERED unit may be KEPT (inference_cache.py's `Residency`). A flat unit knows nothing above it: module units acquire and release it, the strategy
 launches its reductions, and the parameter registry (params.py) routes reads of its sharded
 parameters to the strategy.
 """
@@ -39,6 +39,7 @@ from .. import comm
 from ..flat.buffer import FlatBuffer, free_storage
 from ..flat.grad_shard import GradShard
 from ..flat.whole_tensor_layout import layout_of
+from .inference_cache import Residency
 from .params import owner_of, set_partitioned
 from .shard_group import ShardGroup
 
@@ -97,6 +98,7 @@ class FlatUnit:
         # offload_param: an offload.ShardStore that param_shard's storage lives in between uses, or None
         self.param_home = param_home
         self.holders = 0                 # module units (and gathered_parameters blocks) using the values now
+        self.residency = Residency.TRANSIENT  # KEPT: the inference cache holds it gathered (inference_cache.py)
         self.state = ShardState.GATHERED
         if not persistent:
             self.shards.live_numel += self.layout.padded_numel  # gathered since construction
@@ -174,6 +176,19 @@ class FlatUnit:
         self.holders -= 1
         if self.holders == 0:
             self.reshard()
+
+    def keep(self) -> None:
+        """The inference cache takes one hold of the gathered values, beyond the forward that gathered them."""
+        assert self.residency is Residency.TRANSIENT, f"{self.describe()} is already kept"
+        assert self.state is ShardState.GATHERED and self.holders > 0, f"keeping {self.describe()} while not in use"
+        self.holders += 1
+        self.residency = Residency.KEPT
+
+    def unkeep(self) -> None:
+        """The inference cache gives its hold back (the unit reshards if nobody else holds it)."""
+        assert self.residency is Residency.KEPT, f"{self.describe()} is not kept"
+        self.residency = Residency.TRANSIENT
+        self.release()
 
     def write_back(self, src: int) -> None:
         """Make rank `src`'s gathered values the new parameters: broadcast them and keep this rank's

@@ -51,6 +51,10 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
             context[id(flat)] = context_of(p)
             flats.append(flat)
     flats.sort(key=lambda f: (context[id(f)].serial, f.index))
+    for strategy in {id(c): c for c in context.values()}.values():
+        # Units kept gathered between inference forwards (inference_cache.py) are released first, so
+        # that a write in a read-only block is discarded on exit, as documented, instead of living on.
+        strategy.release_kept_units()
     for f in flats:
         f.acquire(wait=False)
     for f in flats:

@@ -206,6 +206,7 @@ class ModuleUnit:
                 # Only in training mode: an evaluation forward leaves nothing gathered.
                 self._to(TrainingState.KEPT)
             else:
+                self.schedule.keep_after_forward(self)  # inference: may stay gathered (inference_cache.py)
                 self.release()
                 if self.state is TrainingState.FORWARD and self.holds == 0:
                     self._to(TrainingState.IDLE)

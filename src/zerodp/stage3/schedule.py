@@ -6,6 +6,8 @@ the strategy (`start_backward`, `finish_backward`). It owns:
     the stack       module units whose forward is running now (innermost last)
     the order       first-use order of module units per pass (`prefetch.ExecutionOrder`)
     the prefetcher  gathers of the units that followed the current one last time (`prefetch.Prefetcher`)
+    the cache       units kept gathered between inference forwards (`inference_cache.InferenceCache`):
+                    each root forward begins an inference pass or, in training, releases them all
 
 Calls run one way: module units tell the schedule what happens; the schedule reads module units'
 gather sets and starts or releases flat units' gathers; it never calls back into the strategy.
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from .flat_unit import FlatUnit, ShardState
+from .inference_cache import InferenceCache, is_inference_forward
 from .prefetch import ExecutionOrder, Pass, Prefetcher
 from .shard_group import ShardGroup
 
@@ -26,10 +29,12 @@ if TYPE_CHECKING:  # annotations only: module units call the schedule, never the
 class Schedule:
     """The pass state of one stage-3 model; see the module docstring."""
 
-    def __init__(self, flats: list[FlatUnit], shards: ShardGroup, prefetch_numel: int, max_live_numel: int) -> None:
+    def __init__(self, flats: list[FlatUnit], shards: ShardGroup, prefetch_numel: int, max_live_numel: int,
+                 inference: InferenceCache) -> None:
         self.flats = flats
         self.order = ExecutionOrder()
         self.prefetcher = Prefetcher(self.order, prefetch_numel, max_live_numel, shards)
+        self.inference = inference
         self.in_backward = False
         self._stack: list["ModuleUnit"] = []
 
@@ -45,6 +50,10 @@ class Schedule:
 
     def enter_forward(self, unit: "ModuleUnit") -> None:
         if not self._stack and not self.in_backward and unit.is_root:
+            if is_inference_forward(unit.module):
+                self.inference.begin_pass()
+            else:
+                self.inference.release_all()  # training resumes: nothing stays gathered past its use
             self.order.start(Pass.FORWARD)
         self._stack.append(unit)
         self.order.record(self.pass_kind, unit)
@@ -55,6 +64,11 @@ class Schedule:
         if not self._stack and not self.in_backward and unit.is_root:
             self.order.finish(Pass.FORWARD)
             self.reshard_unheld()  # prefetches the forward did not use
+
+    def keep_after_forward(self, unit: "ModuleUnit") -> None:
+        """`unit`'s inference forward ends: the cache may keep its flat units gathered (before their release)."""
+        if not self.in_backward and is_inference_forward(unit.module):
+            self.inference.keep_after_forward(unit.gather_set)
 
     def record_backward(self, unit: "ModuleUnit") -> None:
         if self.in_backward:

@@ -149,6 +149,7 @@ class Stage3Sharding:
 
     def start_micro_step(self, reduce: bool) -> None:
         """Before loss.backward(): every stage-3 micro-step reduces (`reduce` is always True)."""
+        self.release_kept_units()  # a backward precedes every optimizer step: kept values would go stale
         self.schedule.start_backward()
         self.queue.start([f.grads for f in self._reduction_order()])
 
@@ -172,9 +173,15 @@ class Stage3Sharding:
 
     def after_step(self) -> None:
         """All-gather the updated shards of persistent units; sharded units are gathered when next used."""
+        self.release_kept_units()
         handles = [f.after_step_gather() for f in self.units if f.persistent]
         for h in handles:
             h.wait()
+
+    def release_kept_units(self) -> None:
+        """Release every unit kept gathered between inference forwards (training resumes, or the
+        parameters are about to change); see inference_cache.py."""
+        self.schedule.inference.release_all()
 
     # -- introspection -------------------------------------------------------------------------------
 
