@@ -73,7 +73,7 @@ def generation_run(budget: str) -> dict:
         probe_model = make()
         probe = zerodp.initialize(probe_model, torch.optim.SGD(probe_model.parameters(), lr=0.1), config(unit))
         total = sharded_numel(probe)
-        probe.sharding.remove_hooks()
+        probe.close()
         max_live = None if budget == "model" else total // 4
         model, reference = make(), make()
         engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config(unit, max_live))
