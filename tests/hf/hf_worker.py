@@ -8,13 +8,16 @@
 """
 
 import json
+import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+from zerodp.config import ConfigError
 from zerodp.integrations.transformers import ZeroTrainer
 
 SEQ, VOCAB, ROWS, MAX_STEPS, SAVE_STEPS = 12, 48, 96, 6, 3
@@ -100,9 +103,50 @@ def train(out: str) -> None:
             with torch.no_grad():
                 results[f"stage{stage}_logits_maxdiff"] = (loaded(probe).logits - live).abs().max().item()
         dist.barrier()
+    results.update(hf_template(out, data))
     if dist.get_rank() == 0:
         with open(f"{out}/results.json", "w") as fh:
             json.dump(results, fh)
+
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "transformers__ds_config_zero2.json"
+
+
+def deepspeed_warmup_lr(max_lr: float, warmup: int):
+    """DeepSpeed's WarmupLR (warmup_type "log", min lr 0) as a factor of max_lr for the optimizer step k (0-based),
+    as DeepSpeed 0.19.8 runs it (checked in the bench venv): the first step runs at the min lr, and the scheduler's
+    j-th step() (after step j) sets gamma(j - 1) = log(j) / log(warmup) during warm-up, then 1."""
+    return lambda k: 0.0 if k == 0 else (math.log(k) / math.log(warmup) if k - 1 < warmup else 1.0)
+
+
+def hf_template(out: str, data) -> dict:
+    """transformers' own DeepSpeed template (every value "auto", a WarmupLR scheduler section), unchanged, against
+    the plain Trainer driven by the same schedule and optimizer (AdamW over every parameter, as DeepSpeed builds
+    it from the config's optimizer section); then two schedulers at once, which must be refused."""
+    args = arguments(f"{out}/template", eval_strategy="no", save_strategy="no")
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                            eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, deepspeed_warmup_lr(args.learning_rate, args.warmup_steps))
+    plain = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, schedule))
+    plain.train()
+    zero = ZeroTrainer(model=make_model(), args=arguments(f"{out}/template-zero", eval_strategy="no",
+                                                          save_strategy="no"),
+                       train_dataset=data, zero_config=str(TEMPLATE))
+    zero.train()
+    before = {n: p.detach().clone() for n, p in make_model().named_parameters()}
+    moved = max((zero.engine.full_state_dict(rank0_only=False)[n] - before[n]).abs().max().item() for n in before)
+    model = make_model()
+    other = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=0.1), lambda s: 1.0)
+    twice = ZeroTrainer(model=model, args=arguments(f"{out}/twice", eval_strategy="no", save_strategy="no"), train_dataset=data,
+                        zero_config=str(TEMPLATE), optimizers=(None, other))
+    try:
+        twice.train()
+        refusal = None
+    except ConfigError as err:
+        refusal = str(err)
+    return {"template_ref": history(plain), "template": history(zero), "template_moved": moved,
+            "two_schedulers": refusal}
 
 
 class FirstStepProbe(TrainerCallback):

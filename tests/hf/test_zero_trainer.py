@@ -56,6 +56,20 @@ def test_zero_trainer_matches_ddp_trainer(runs):
     assert results["stage3_zero"]["stage3_param_persistence_threshold"] == 320
 
 
+def test_hf_deepspeed_template_trains_with_its_own_scheduler(runs):
+    """transformers' ds_config_zero2.json unchanged (every value "auto", a WarmupLR section): the config's
+    schedule is the only one (as under HF + DeepSpeed), its lr values are filled from the arguments, and the run
+    equals the plain Trainer driven by DeepSpeed's WarmupLR; it trains (the lr=0 run of issue 20 did not)."""
+    _, results = runs
+    ref, zero = results["template_ref"], results["template"]
+    assert zero["steps"] == ref["steps"] == [1, 2, 3, 4, 5, 6]
+    assert zero["lr"] == pytest.approx(ref["lr"], rel=1e-12) and max(zero["lr"]) == pytest.approx(3e-3)
+    assert zero["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert results["template_moved"] > 1e-3, "no parameter changed: the run trained nothing"
+    refusal = results["two_schedulers"]
+    assert refusal is not None and "two LR schedulers" in refusal and "WarmupLR" in refusal and "LambdaLR" in refusal
+
+
 def test_resume_from_checkpoint_on_three_ranks(runs):
     out, results = runs
     torchrun(3, "resume", out)

@@ -45,3 +45,43 @@ def test_contradictions_name_both_values():
         fill_auto({"zero_optimization": {"reduce_bucket_size": "auto"}}, ARGS, 2, SimpleNamespace(config=None))
     with pytest.raises(ConfigError, match="zero_optimization.offload_param.device"):
         fill_auto({"zero_optimization": {"offload_param": {"device": "auto"}}}, ARGS, 2, MODEL)
+
+
+CONFIG_DIR = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+
+
+def _is_hf_template(path) -> bool:
+    """Written for the HF Trainer: every value the Trainer owns is "auto" (or absent), so no TrainingArguments
+    can contradict it (files that hard-code them are checked for contradictions in the tests above)."""
+    import json
+
+    data = json.loads(path.read_text())
+    owned = [data.get("gradient_accumulation_steps", "auto"), data.get("train_micro_batch_size_per_gpu", "auto"),
+             data.get("fp16", {}).get("enabled", "auto"), data.get("bf16", {}).get("enabled", "auto")]
+    return '"auto"' in path.read_text() and all(v in ("auto", False) for v in owned)
+
+
+HF_TEMPLATES = sorted(p for p in CONFIG_DIR.glob("*.json") if _is_hf_template(p))
+
+
+def test_the_collection_holds_hf_templates_of_many_projects():
+    assert len(HF_TEMPLATES) >= 10 and len({p.name.split("__")[0] for p in HF_TEMPLATES}) >= 5, HF_TEMPLATES
+
+
+@pytest.mark.parametrize("path", HF_TEMPLATES, ids=[p.name for p in HF_TEMPLATES])
+def test_every_hf_template_in_the_collection_is_filled_and_loads(path):
+    """Issue 20: the HF Trainer's own templates (every value "auto", scheduler sections included) are filled the
+    way the HF integration fills them and load; none is refused for an "auto" ZeroTrainer could not fill."""
+    from zerodp.config import ConfigError, load_config
+    from zerodp.integrations.hf_auto import read_zero_config
+
+    args = SimpleNamespace(**vars(ARGS), get_warmup_steps=lambda steps: 3)  # TrainingArguments' method
+    data = fill_auto(read_zero_config(path), args, 2, MODEL, max_steps=10)
+    scheduler = data.get("scheduler", {}).get("params", {})
+    for key, value in (("warmup_min_lr", 0), ("warmup_max_lr", ARGS.learning_rate), ("total_num_steps", 10)):
+        if key in scheduler:
+            assert scheduler[key] == value, (key, scheduler[key])
+    try:
+        load_config(data)
+    except ConfigError as err:  # only a feature zerodp lacks, named, never an "auto"
+        assert "auto" not in str(err) and "not implemented" in str(err), str(err)

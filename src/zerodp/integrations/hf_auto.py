@@ -83,8 +83,9 @@ def _differs(a, b) -> bool:
         return a != b
 
 
-def fill_auto(data: dict, args, world_size: int, model=None) -> dict:
-    """Return `data` with every "auto" filled from `args`; ConfigError lists every contradiction."""
+def fill_auto(data: dict, args, world_size: int, model=None, max_steps: Optional[int] = None) -> dict:
+    """Return `data` with every "auto" filled from `args` (and the scheduler's step counts from `max_steps`,
+    when known); ConfigError lists every contradiction."""
     data = copy.deepcopy(data)
     f = _Filler(data)
     mb, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
@@ -100,6 +101,13 @@ def fill_auto(data: dict, args, world_size: int, model=None) -> dict:
         f.fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2", required=False)
         f.fill("optimizer.params.eps", args.adam_epsilon, "adam_epsilon", required=False)
         f.fill("optimizer.params.weight_decay", args.weight_decay, "weight_decay", required=False)
+    if isinstance(data.get("scheduler"), dict):  # what the HF Trainer fills for DeepSpeed's schedules
+        f.fill("scheduler.params.warmup_min_lr", 0, "(HF: 0)", required=False)
+        f.fill("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate", required=False)
+        if max_steps is not None:
+            f.fill("scheduler.params.warmup_num_steps", args.get_warmup_steps(max_steps), "warmup_steps/warmup_ratio",
+                   required=False)
+            f.fill("scheduler.params.total_num_steps", max_steps, "max_steps", required=False)
     zero = data.get("zero_optimization")
     hidden = hidden_size_of(model)
     if isinstance(zero, dict):
@@ -115,6 +123,8 @@ def fill_auto(data: dict, args, world_size: int, model=None) -> dict:
         raise ConfigError("zero_config contradicts the TrainingArguments: " + "; ".join(f.mismatches)
                           + ". Set these keys to \"auto\" or make them agree")
     leftover = _find_auto(data)
+    if leftover and max_steps is None and leftover.startswith("scheduler."):
+        leftover = None  # filled when training starts and max_steps is known
     if leftover:
         raise ConfigError(f"zero_config: {leftover} is \"auto\", which ZeroTrainer cannot fill; give a value")
     return data
@@ -126,6 +136,7 @@ def _find_auto(node, prefix: str = "") -> Optional[str]:
             found = _find_auto(v, f"{prefix}{k}.")
             if found:
                 return found
-    elif node == "auto":
-        return prefix.rstrip(".")
+    elif node == "auto" and not prefix.endswith(".enabled.") and prefix != \
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save.":
+        return prefix.rstrip(".")  # ("auto" flags mean off when the config loads, as in DeepSpeed)
     return None

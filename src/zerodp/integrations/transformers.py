@@ -76,6 +76,30 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return f"_EngineOptimizer(stage={self.engine.stage})"
 
 
+class _EngineScheduler:
+    """What the Trainer sees as its LR scheduler when `zero_config` has a `scheduler` section: the engine's
+    schedule (DeepSpeed's WarmupLR, ...), which the engine steps after each optimizer step, as under
+    HF + DeepSpeed; the Trainer's own `step()` here does nothing, so the schedule advances once per step."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.used = engine.get_lr()  # the lr of the optimizer step in progress (what the Trainer logs for it)
+
+    def step(self, *args, **kwargs) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        # note: the Trainer asks after training_step, where the engine has already stepped and advanced the
+        # schedule; it logs the lr the step used, as it does with its own scheduler (asked before stepping it)
+        return self.used
+
+    def state_dict(self) -> dict:
+        return self.engine.lr_scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.lr_scheduler.load_state_dict(state)
+
+
 class ZeroTrainer(Trainer):
     """A `transformers.Trainer` whose model trains with zerodp's ZeRO (stage from `zero_config`)."""
 
@@ -86,10 +110,10 @@ class ZeroTrainer(Trainer):
 
     # -- set-up ------------------------------------------------------------------------------------
 
-    def resolved_zero_config(self) -> dict:
-        """zero_config with every "auto" filled from the TrainingArguments."""
+    def resolved_zero_config(self, max_steps: Optional[int] = None) -> dict:
+        """zero_config with every "auto" filled from the TrainingArguments (scheduler steps from `max_steps`)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return fill_auto(self.zero_config_source, self.args, world, self.model)
+        return fill_auto(self.zero_config_source, self.args, world, self.model, max_steps=max_steps)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         # No DDP: zerodp reduces the gradients. Registering the model with accelerate keeps evaluation from
@@ -99,10 +123,15 @@ class ZeroTrainer(Trainer):
         return self.model
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        config = self.resolved_zero_config(max_steps)
         if self._created_lr_scheduler:
             self.lr_scheduler = None
             self._created_lr_scheduler = False
-        config = self.resolved_zero_config()
+        elif "scheduler" in config and self.lr_scheduler is not None and not isinstance(self.lr_scheduler,
+                                                                                           _EngineScheduler):
+            # two schedules over one optimizer: the second would overwrite the first's lr (or capture lr 0)
+            raise ConfigError(f"two LR schedulers: zero_config's scheduler section ({config['scheduler'].get('type')}) "
+                              f"and the {type(self.lr_scheduler).__name__} passed in optimizers=(...); keep one")
         if self.engine is None:
             optimizer = None
             if "optimizer" not in config:
@@ -110,7 +139,10 @@ class ZeroTrainer(Trainer):
                 optimizer = self.optimizer
             self.engine = initialize(self.model, optimizer, config)
             self.optimizer = _EngineOptimizer(self.engine)
-        self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
+        if "scheduler" in config:  # the config's schedule is the schedule, as under HF + DeepSpeed
+            self.lr_scheduler = _EngineScheduler(self.engine)
+        else:
+            self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
         self.model_wrapped = self.model
         if resume_from_checkpoint is not None:
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
@@ -143,6 +175,8 @@ class ZeroTrainer(Trainer):
         else:
             engine.backward(loss)  # a micro-batch mean; the engine divides by the accumulation steps
             logged = loss.detach() / gas
+        if isinstance(self.lr_scheduler, _EngineScheduler) and engine.is_accumulation_boundary:
+            self.lr_scheduler.used = engine.get_lr()  # before engine.step() advances the config's schedule
         engine.step()  # at the boundary: clip, optimizer step on the shards, gather (the Trainer's step is a no-op)
         return logged  # what the Trainer sums over micro-steps and divides by optimizer steps
 
