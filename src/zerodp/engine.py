@@ -111,6 +111,8 @@ class ZeroEngine:
         if self.rank == 0:
             for note in config._notes:  # keys that change nothing here, said once with the reason
                 log.info("zerodp config: %s", note)
+            for warning in config._warnings:  # DeepSpeed's leniencies: what the key is read as, or that it is ignored
+                log.warning("zerodp config: %s", warning)
 
     # -- the training loop -----------------------------------------------------------------------
 

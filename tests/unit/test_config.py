@@ -181,3 +181,24 @@ def test_allgather_bucket_size_at_stage_3_is_honoured_silently():
         warnings.simplefilter("error")
         assert load_config({"zero_optimization": {"stage": 3, "allgather_bucket_size": 7}}
                            ).zero_optimization.allgather_bucket_size == 7
+
+
+def test_deepspeed_leniencies_are_read_as_deepspeed_reads_them_with_a_warning():
+    """Issue 20: keys DeepSpeed 0.19.8 accepts where the meaning is clear are accepted, each with one warning."""
+    cfg = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_param": {"device": "cpu"}},
+                       "bf16": {"enabled": True, "loss_scale": 0}})
+    assert cfg.zero_optimization.offload_optimizer.device.value == "cpu"  # the deprecated spelling of cpu offload
+    assert cfg.zero_optimization.offload_param.device.value == "none"     # ignored below stage 3, as DeepSpeed does
+    assert cfg.bf16.enabled
+    assert any("cpu_offload=true is deprecated" in w for w in cfg._warnings)
+    assert any("offload_param" in w and "stage 2" in w for w in cfg._warnings)
+    assert any(n.startswith("bf16.loss_scale=0 has no effect") for n in cfg._notes)
+    # stage 3 keeps offload_param; the deprecated flag beside a contradicting section is one error
+    assert load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}) \
+        .zero_optimization.offload_param.device.value == "cpu"
+    with pytest.raises(ConfigError, match="contradicts zero_optimization.offload_optimizer.device='nvme'"):
+        load_config({"zero_optimization": {"stage": 2, "cpu_offload": True,
+                                           "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
+    # what DeepSpeed would silently get wrong stays refused: a top-level offload_optimizer
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        load_config({"offload_optimizer": {"device": "cpu"}, "zero_optimization": {"stage": 2}})

@@ -42,7 +42,6 @@ def test_deepspeed_infinity_config_loads():
 
 
 @pytest.mark.parametrize("zero, aio, fragment", [
-    ({"stage": 2, "offload_param": {"device": "cpu"}}, {}, "offload_param needs stage 3"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, {}, "offload_optimizer needs stage 1"),
     ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, {}, "offload_optimizer.nvme_path is not set"),
     ({"stage": 2, "offload_optimizer": {"device": "disk"}}, {}, "'none', 'cpu' or 'nvme'"),

@@ -118,6 +118,10 @@ NO_EFFECT: dict[str, NoEffect] = {
                                "fp16 (what auto_cast false expects) are unchanged by the cast"),
     "fp16.fp16_master_weights_and_grads": NoEffect(
         "switched off", lambda v: v is False, "fp16 master weights are not implemented (masters are fp32)"),
+    **{f"bf16.{key}": NoEffect("an fp16 loss-scaling key in the bf16 section: bf16 needs no loss scale "
+                               "(DeepSpeed ignores it too)")
+       for key in ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale",
+                   "consecutive_hysteresis")},
     "bf16.immediate_grad_update": NoEffect("zerodp's bf16 gradients go straight to the reduction buckets"),
     "bf16.check_grad_overflow": NoEffect("switched off", lambda v: v is False,
                                          "overflow checks under bf16 are not implemented; remove the key"),
@@ -193,15 +197,18 @@ def known_deepspeed_names() -> set[str]:
 class Normalized(dict):
     """The mapping left for validation, with `notes` (no-effect keys) and `autos` (deferred "auto" keys)."""
 
-    notes: list[str]
+    notes: list[str]     # keys that change nothing here, with the reason (logged once at start-up)
+    warnings: list[str]  # DeepSpeed's leniencies: accepted as DeepSpeed reads them, said as a warning
     autos: set[str]
 
 
 def normalize(data: dict, error: Callable[[str], Exception]) -> Normalized:
     """Apply aliases, drop no-effect keys (noting why), refuse missing features, record "auto" keys."""
     out = Normalized(_copy(data))
-    out.notes, out.autos = [], set()
+    out.notes, out.warnings, out.autos = [], [], set()
     _apply_aliases(out, error)
+    _deprecated_offload_flags(out, error)
+    _offload_param_below_stage_3(out)
     for path, rule in NO_EFFECT.items():
         found, value = _get(out, path)
         if not found:
@@ -218,6 +225,35 @@ def normalize(data: dict, error: Callable[[str], Exception]) -> Normalized:
             raise error(f"'{path}' is not supported: {message}")
     _collect_autos(out, "", out, error)
     return out
+
+
+def _deprecated_offload_flags(data: Normalized, error) -> None:
+    """DeepSpeed still reads `cpu_offload: true` / `cpu_offload_param: true` as offload to host memory, with a
+    deprecation warning; so does zerodp. Together with the section they replaced, it is one error."""
+    for flag, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        found, value = _get(data, f"zero_optimization.{flag}")
+        if not found or _off(value):
+            continue
+        has, current = _get(data, f"zero_optimization.{section}")
+        if has and str((current or {}).get("device", "none")).lower() not in ("none", "cpu"):
+            raise error(f"'zero_optimization.{flag}: true' (deprecated: offload to cpu) contradicts "
+                        f"zero_optimization.{section}.device={current.get('device')!r}; keep only {section}")
+        _pop(data, f"zero_optimization.{flag}")
+        _set(data, f"zero_optimization.{section}", {**(current or {}), "device": "cpu"})
+        data.warnings.append(f"zero_optimization.{flag}=true is deprecated (DeepSpeed too): read as "
+                          f"zero_optimization.{section}: {{device: cpu}}; write that instead")
+
+
+def _offload_param_below_stage_3(data: Normalized) -> None:
+    """Only stage 3 partitions parameters; DeepSpeed ignores an offload_param section below it (files written
+    for several stages carry one), so zerodp drops it and says so."""
+    zero = data.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage", 0) in (3, AUTO) or "offload_param" not in zero:
+        return
+    section = zero.pop("offload_param")
+    if isinstance(section, dict) and str(section.get("device", "none")).lower() != "none":
+        data.warnings.append(f"zero_optimization.offload_param={_show(section)} has no effect in zerodp at stage "
+                          f"{zero.get('stage', 0)}: only stage 3 partitions parameters (DeepSpeed ignores it too)")
 
 
 def _optimizer_max_grad_norm(data: Normalized, error) -> None:

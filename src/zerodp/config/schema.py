@@ -206,6 +206,7 @@ class ZeroConfig(StrictModel):
 
     # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config_auto resolves.
     _notes: list[str] = PrivateAttr(default_factory=list)
+    _warnings: list[str] = PrivateAttr(default_factory=list)
     _autos: set[str] = PrivateAttr(default_factory=set)
 
     @model_validator(mode="after")
@@ -321,7 +322,7 @@ def load_config(source: Union["ZeroConfig", dict, str, Path, None], auto_values:
         config = ZeroConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
-    config._notes, config._autos = list(data.notes), set(data.autos)
+    config._notes, config._warnings, config._autos = list(data.notes), list(data.warnings), set(data.autos)
     return config
 
 
