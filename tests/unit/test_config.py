@@ -202,3 +202,23 @@ def test_deepspeed_leniencies_are_read_as_deepspeed_reads_them_with_a_warning():
     # what DeepSpeed would silently get wrong stays refused: a top-level offload_optimizer
     with pytest.raises(ConfigError, match="offload_optimizer"):
         load_config({"offload_optimizer": {"device": "cpu"}, "zero_optimization": {"stage": 2}})
+
+
+def test_real_deepspeed_keys_are_never_unknown():
+    """Issue 20: every key name DeepSpeed 0.19.8 reads (derived from its source: tools/deepspeed_keys.py) is
+    honoured, accepted with no effect, or refused as a missing feature; never "unknown key ... did you mean"."""
+    from zerodp.config.strict import deepspeed_key_names
+
+    names = deepspeed_key_names()
+    assert len(names) > 400 and {"zenflow", "torch_autocast", "mics_shard_size"} <= names
+    for name in sorted(names):
+        for where in ("top", "zero"):
+            data = {name: {"x": 1}} if where == "top" else {"zero_optimization": {"stage": 2, name: {"x": 1}}}
+            try:
+                load_config(data)
+            except ConfigError as err:
+                assert f"unknown key '{name}'" not in str(err), f"{where}-level {name!r}: {err}"
+    with pytest.raises(ConfigError, match="'zenflow' is a DeepSpeed setting whose feature zerodp does not implement"):
+        load_config({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}})
+    with pytest.raises(ConfigError, match="unknown key 'stagee'"):  # a typo is still a typo
+        load_config({"zero_optimization": {"stagee": 2}})

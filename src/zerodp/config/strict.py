@@ -6,6 +6,8 @@ monitor packages can build their sections on it without importing the whole sche
 from __future__ import annotations
 
 import difflib
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -18,6 +20,14 @@ from .compat import known_deepspeed_names
 _NOT_SUPPORTED = {
 }
 # (Keys that change nothing, aliases and other missing features: see `config_compat`.)
+
+
+@cache
+def deepspeed_key_names() -> frozenset[str]:
+    """Every config key name DeepSpeed 0.19.8 reads (deepspeed_keys.txt, derived from its source by
+    tools/deepspeed_keys.py): a key zerodp does not know but DeepSpeed does is a missing feature, not a typo."""
+    text = (Path(__file__).with_name("deepspeed_keys.txt")).read_text()
+    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
 
 
 class StrictModel(BaseModel):
@@ -37,6 +47,9 @@ class StrictModel(BaseModel):
                 continue
             if key in _NOT_SUPPORTED:
                 raise ValueError(f"'{key}' is not supported: {_NOT_SUPPORTED[key]}")
+            if key in deepspeed_key_names():
+                raise ValueError(f"'{key}' is a DeepSpeed setting whose feature zerodp does not implement here; "
+                                 f"remove it (docs/config.md lists what zerodp honours)")
             close = difflib.get_close_matches(str(key), sorted(valid | known_deepspeed_names()), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
             raise ValueError(f"unknown key '{key}'{hint}")
