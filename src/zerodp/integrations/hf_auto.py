@@ -9,8 +9,9 @@ the Trainer works unchanged with ZeroTrainer:
     fp16.enabled / bf16.enabled      fp16 / bf16
     optimizer.params                 lr: learning_rate, betas: [adam_beta1, adam_beta2], eps: adam_epsilon,
                                      weight_decay: weight_decay
-    zero_optimization                reduce_bucket_size: hidden_size^2, stage3_prefetch_bucket_size:
-                                     0.9 hidden_size^2, stage3_param_persistence_threshold: 10 hidden_size
+    scheduler.params                 warmup_min_lr: 0, warmup_max_lr: learning_rate, warmup_num_steps:
+                                     warmup_steps / warmup_ratio, total_num_steps: max_steps
+Bucket and persistence sizes are left to the engine (config/auto.py: the one rule set, from the hidden size).
 A value given explicitly that contradicts the arguments is an error naming both; nothing is overridden.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..config import ConfigError
+from ..config.compat import AUTO_AT_START, AUTO_OFF
 
 
 def read_zero_config(source: Union[dict, str, Path]) -> dict:
@@ -35,15 +37,6 @@ def read_zero_config(source: Union[dict, str, Path]) -> dict:
 
         return yaml.safe_load(path.read_text()) or {}
     return json.loads(path.read_text())
-
-
-def hidden_size_of(model) -> Optional[int]:
-    config = getattr(model, "config", None)
-    for name in ("hidden_size", "n_embd", "d_model"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 class _Filler:
@@ -108,17 +101,8 @@ def fill_auto(data: dict, args, world_size: int, model=None, max_steps: Optional
             f.fill("scheduler.params.warmup_num_steps", args.get_warmup_steps(max_steps), "warmup_steps/warmup_ratio",
                    required=False)
             f.fill("scheduler.params.total_num_steps", max_steps, "max_steps", required=False)
-    zero = data.get("zero_optimization")
-    hidden = hidden_size_of(model)
-    if isinstance(zero, dict):
-        for key, value in (("reduce_bucket_size", hidden and hidden * hidden),
-                           ("stage3_prefetch_bucket_size", hidden and int(0.9 * hidden * hidden)),
-                           ("stage3_param_persistence_threshold", hidden and 10 * hidden)):
-            if zero.get(key) == "auto":
-                if value is None:
-                    raise ConfigError(f"zero_optimization.{key} is 'auto' but the model's config has no hidden_size "
-                                      f"to derive it from; give a number")
-                zero[key] = value
+    # bucket and persistence sizes stay "auto": the engine resolves them from the model's hidden size with
+    # the one rule set every entry point shares (config/auto.py), so ZeroTrainer and zerodp.initialize agree
     if f.mismatches:
         raise ConfigError("zero_config contradicts the TrainingArguments: " + "; ".join(f.mismatches)
                           + ". Set these keys to \"auto\" or make them agree")
@@ -136,7 +120,6 @@ def _find_auto(node, prefix: str = "") -> Optional[str]:
             found = _find_auto(v, f"{prefix}{k}.")
             if found:
                 return found
-    elif node == "auto" and not prefix.endswith(".enabled.") and prefix != \
-            "zero_optimization.stage3_gather_16bit_weights_on_model_save.":
-        return prefix.rstrip(".")  # ("auto" flags mean off when the config loads, as in DeepSpeed)
+    elif node == "auto" and prefix.rstrip(".") not in AUTO_AT_START | AUTO_OFF:
+        return prefix.rstrip(".")  # (the others: resolved when the config loads or the engine starts)
     return None
