@@ -21,6 +21,7 @@ from ..config import ConfigError, ZeroConfig
 from ..optim.build import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
+from ..memory.heap import map_large_buffers
 from ..precision import PrecisionPolicy
 from .config import OffloadDevice, ignored_settings
 from .file_io import FileIO
@@ -59,6 +60,7 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
     report_ignored(config, rank)
     if not section.enabled:
         return None
+    map_large_buffers()  # freed shards and windows must leave RSS: [Note: freed memory that stays resident]
     inner = user_optimizer.optim if isinstance(user_optimizer, LARC) else user_optimizer
     if isinstance(user_optimizer, LARC) or isinstance(inner, SHARD_AWARE):
         raise ConfigError(f"offload_optimizer streams the step in chunks, but {type(user_optimizer).__name__} "
@@ -100,6 +102,7 @@ def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, lar
     report_ignored(config, rank)
     if not section.enabled:
         return None
+    map_large_buffers()  # freed shards and windows must leave RSS: [Note: freed memory that stays resident]
     world = comm.get_world_size(process_group)
     if section.buffer_size < -(-largest_numel // world):
         raise ConfigError(f"zero_optimization.offload_param.buffer_size={section.buffer_size} elements cannot hold "
