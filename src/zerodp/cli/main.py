@@ -21,6 +21,7 @@ from ..errors import ConfigError, UsageError
 from ..examples.gpt import MODEL_PRESETS
 from ..examples.train_args import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS
 from ..memory import OPTIMIZER_STATES, WHOLE_TENSOR_OPTIMIZERS
+from ..scaling.workload import parse_count
 
 PAPER_MODELS = (7.5e9, 128e9, 1e12)
 PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
@@ -216,19 +217,6 @@ def _cmd_train(ns: argparse.Namespace) -> int:
                   else "no checkpoint was saved yet (see --save-every)"), file=sys.stderr)
             return 130
     return 0
-
-
-def parse_count(text: str) -> float:
-    """'7.5e9', '7.5B', '350M', '1T', '120K' -> a number of parameters."""
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-    t = text.strip().upper()
-    try:
-        value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
-    except ValueError:
-        raise UsageError(f"--params {text!r} is not a number (examples: 7.5e9, 7.5B, 350M, 1T)") from None
-    if not value >= 1:
-        raise UsageError(f"--params must be at least 1, got {text}")
-    return value
 
 
 def _unit(total_bytes: float) -> tuple[str, float]:

@@ -7,10 +7,10 @@ is re-exported here.
 """
 
 from . import watchdog
-from .process_group import destroy_distributed, init_distributed, owns_default_group
+from .process_group import destroy_distributed, destroy_group, init_distributed, new_group_like, owns_default_group
 from .collectives import (REAL_COLLECTIVES_ENV, CommLog, CommRecord, GLOO_GATHER_MESSAGE_BYTES, Handle, ProcessGroup,
                           add_observer, remove_observer, all_gather, all_to_all, chunk_ranges, all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
-                          destroy_group, get_rank, get_world_size, is_initialized, new_group_like, record,
+                          get_rank, get_world_size, is_initialized, record,
                           reduce_scatter, skips_collectives)
 from .uneven import all_gather_uneven, reduce_scatter_uneven
 

@@ -85,37 +85,6 @@ def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_numel, numel)) for s in range(0, numel, chunk_numel)]
 
 
-def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
-    """A second communicator over the ranks of `group` (same backend); only those ranks call it.
-
-    Collectives on different communicators are matched independently, so two streams of
-    collectives whose relative order may differ between ranks can each keep their own order.
-    """
-    if skips_collectives(group):
-        return group
-    whole_world = group is None or group is dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    # note: a group made with use_local_synchronization is named by a hash of its ranks and of the number
-    # of live groups, so a group made after another was destroyed (engine.close) gets the dead one's name
-    # and store keys, and gloo connects to the dead group's ports ("connectFullMesh failed ... Connection
-    # refused"). Over the whole world every rank calls this, so the counter-named, globally synchronized
-    # form applies; a subgroup's ranks alone call it and need local synchronization.
-    return dist.new_group(ranks, backend=backend_name(group), use_local_synchronization=not whole_world)
-
-
-def destroy_group(group: ProcessGroup, made_from: ProcessGroup = None) -> None:
-    """Destroy `group`, a communicator `new_group_like(made_from)` returned, joining its threads.
-
-    No-op where new_group_like returned `made_from` itself (one rank) or the default group is gone
-    already (destroying it destroyed every group made from it). Why it matters: a gloo group left
-    alive to interpreter shutdown is torn down by C++ static destructors while its threads run,
-    and the process aborts ("terminate called without an active exception"; [Note: teardown]).
-    """
-    if group is None or group is made_from or not is_initialized():
-        return
-    dist.destroy_process_group(group)
-
-
 @dataclass(frozen=True)
 class CommRecord:
     """One collective call: the logical operation, how it was carried out, and its size."""

@@ -21,7 +21,7 @@ from ..config import ConfigError, ZeroConfig
 from ..optim.build import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
-from ..memory.heap import map_large_buffers
+from .heap import map_large_buffers
 from ..precision import PrecisionPolicy
 from .config import OffloadDevice, ignored_settings
 from .file_io import FileIO

@@ -9,7 +9,7 @@ from ..errors import UsageError
 from .cluster import CLUSTERS
 from .plan import MODES
 from .report import GLOBAL_TOKENS, HEADER, MICRO_TOKENS, prediction_cells, cluster_line, grid, text_table
-from .workload import SIZE_ALIASES, shape_for_count
+from .workload import SIZE_ALIASES, parse_count, shape_for_count
 
 
 def add_cluster_options(parser: argparse.ArgumentParser, choice) -> None:
@@ -49,7 +49,6 @@ def _list(text: str, what: str) -> list[str]:
 def _shape(text: str):
     if text.lower() in SIZE_ALIASES:
         return SIZE_ALIASES[text.lower()]
-    from ..cli.main import parse_count
 
     try:
         return shape_for_count(parse_count(text))

@@ -18,6 +18,8 @@ recomputation), which costs time but does not count towards MFU.
 
 from __future__ import annotations
 
+from ..errors import UsageError
+
 from dataclasses import dataclass
 
 
@@ -156,3 +158,16 @@ def shape_for_count(numel: float, seq_len: int = 4096) -> TransformerShape:
 
 def _ffn(hidden: int) -> int:
     return max(256, 256 * round(hidden * 8 / 3 / 256))
+
+
+def parse_count(text: str) -> float:
+    """'7.5e9', '7.5B', '350M', '1T', '120K' -> a number of parameters."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    t = text.strip().upper()
+    try:
+        value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+    except ValueError:
+        raise UsageError(f"--params {text!r} is not a number (examples: 7.5e9, 7.5B, 350M, 1T)") from None
+    if not value >= 1:
+        raise UsageError(f"--params must be at least 1, got {text}")
+    return value

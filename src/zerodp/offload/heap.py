@@ -48,5 +48,5 @@ def map_large_buffers(threshold_bytes: int = LARGE_BUFFER_BYTES) -> bool:
         return False
     _applied = True
     log.info("zerodp offload: buffers of %d KiB or more are mapped on their own, so freed ones leave RSS "
-             "(glibc M_MMAP_THRESHOLD; see zerodp/memory/heap.py)", threshold_bytes >> 10)
+             "(glibc M_MMAP_THRESHOLD; see zerodp/offload/heap.py)", threshold_bytes >> 10)
     return True
