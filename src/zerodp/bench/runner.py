@@ -166,6 +166,7 @@ def compare(args) -> None:
             ranks = run_worker(name, args.model, args.steps, args.world_size, out / f"{name}-r{r}.json")
             if ranks is not None:
                 runs[name].append(ranks)
+    failed = [n for n, v in runs.items() if len(v) != args.rounds]
     runs = {n: v for n, v in runs.items() if len(v) == args.rounds}
     cfg = BENCH_MODELS[args.model]
     rows = aggregate(runs, 4, cfg.block_size)
@@ -183,6 +184,8 @@ def compare(args) -> None:
                          "paper's volume of zerodp's collectives (an all-reduce counts twice its buffer); "
                          "formula = the ZeRO paper's model-state bytes for this rank.\n")
     print(text)
+    if failed:  # the table above lacks them: say so and fail, never a silently shorter table
+        raise SystemExit(f"zerodp bench: {', '.join(failed)} failed in some round; their logs are in {out}")
     print(f"wrote {results}" + (f" and {png}" if png else ""))
 
 

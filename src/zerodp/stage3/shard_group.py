@@ -32,6 +32,8 @@ On CPU (gloo) the collectives are plain asynchronous work handles.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Optional
 
 import torch
@@ -58,6 +60,14 @@ class _StreamHandle:
         self._done = True
 
 
+def _closer(ref: "weakref.ref[ShardGroup]"):
+    def close_at_exit() -> None:
+        shards = ref()
+        if shards is not None:
+            shards.close()
+    return close_at_exit
+
+
 class ShardGroup:
     """The ranks a model's units are sharded over, and where their collectives run."""
 
@@ -71,6 +81,10 @@ class ShardGroup:
         self.rank = comm.get_rank(process_group)
         self.world = comm.get_world_size(process_group)
         self.reduce_group = comm.new_group_like(process_group)  # see [Note: two communicators]
+        # A backstop for entry points that never close the engine (a Trainer keeps it to the end): the group is
+        # destroyed before interpreter shutdown, not by C++ static destructors ([Note: teardown] in comm).
+        self._close_at_exit = _closer(weakref.ref(self))
+        atexit.register(self._close_at_exit)
         self.gather_stream = self.reduce_stream = None
         if device.type == "cuda" and torch.cuda.is_available():
             self.gather_stream = torch.cuda.Stream(device)
@@ -131,6 +145,7 @@ class ShardGroup:
 
     def close(self) -> None:
         """Destroy the reduction communicator this group made (idempotent); see comm.destroy_group."""
+        atexit.unregister(self._close_at_exit)
         group, self.reduce_group = self.reduce_group, self.process_group
         comm.destroy_group(group, made_from=self.process_group)
 
