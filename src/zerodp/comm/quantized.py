@@ -33,6 +33,14 @@ class _Finishing(Handle):
         super().__init__(None, lambda: (inner.wait(), finish()))
 
 
+def _started(inner: Handle, finish: Callable[[], None], async_op: bool) -> Handle:
+    """The handle of a quantized collective; waited on here when the caller asked for a blocking one."""
+    handle = _Finishing(inner, finish)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
 def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
                          async_op: bool = False, bits: int = WEIGHT_BITS, block_numel: int = BLOCK_NUMEL,
                          tag: str = "", what: str = "") -> Handle:
@@ -41,20 +49,17 @@ def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group: Proce
     if output.numel() != world * shard:
         raise ValueError(f"all_gather_quantized: output has {output.numel()} elements, expected {world} x {shard}")
     mine = q.quantize(input, bits, block_numel)
-    payloads = torch.empty(world * mine.numel(), dtype=torch.uint8, device=input.device)
-    payloads[get_rank(group) * mine.numel():(get_rank(group) + 1) * mine.numel()] = mine
-    inner = all_gather(payloads, payloads[get_rank(group) * mine.numel():(get_rank(group) + 1) * mine.numel()],
-                       group, async_op=True, tag=tag, what=what)
+    payloads = torch.empty(world, mine.numel(), dtype=torch.uint8, device=input.device)
+    own = payloads[get_rank(group)]
+    own.copy_(mine)
+    inner = all_gather(payloads.view(-1), own, group, async_op=True, tag=tag, what=what)
     rows = output.view(world, shard)
 
     def finish() -> None:
-        for r, payload in enumerate(payloads.view(world, -1)):
+        for r, payload in enumerate(payloads):
             rows[r].copy_(q.dequantize(payload, shard, bits, block_numel, output.dtype))
 
-    handle = _Finishing(inner, finish)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _started(inner, finish, async_op)
 
 
 def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
@@ -75,7 +80,4 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group: P
             total = part if total is None else total.add_(part)
         output.copy_(total)
 
-    handle = _Finishing(inner, finish)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _started(inner, finish, async_op)
