@@ -280,13 +280,14 @@ def full_state(model: nn.Module) -> dict:
 
 
 def zerodp_case(name: str, bf16: bool = False, stage: int = 3, optimizer=None,
-                init: bool = False) -> tuple[list[float], dict]:
+                init: bool = False, zero: dict | None = None) -> tuple[list[float], dict]:
     """Train case `name` with zerodp (stage 3 unless told) on this rank: per-step global mean losses and
     the final state. `optimizer` replaces the case's optimizer factory; `init` builds the model under
-    zerodp.init_context (its parameters partitioned from creation)."""
+    zerodp.init_context (its parameters partitioned from creation); `zero` adds zero_optimization keys."""
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[name]
     config = stage3_config(case, bf16, stage)
+    config["zero_optimization"].update(zero or {})
     if init:
         with zerodp.init_context(config):
             model = make(case)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DivergenceError
-from . import watchdog
+from . import topology, watchdog
 from .pairwise import exchange_all_gather, exchange_reduce_scatter
 
 ProcessGroup = Optional[dist.ProcessGroup]
@@ -94,10 +94,17 @@ class CommRecord:
     numel: int         # elements of the full buffer (reduce input, gather output)
     dtype: torch.dtype
     tag: str = ""      # who issued it ("grad", "param", "norm", ...)
+    crosses_nodes: bool = False  # its group has ranks on more than one node (comm/topology.py)
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def volume_bytes(self) -> int:
+        """The ZeRO paper's communication volume of this call: the buffer's bytes, twice for an all-reduce
+        (a reduce-scatter plus an all-gather), so that stage 3's step is 3 Psi and DDP's 2 Psi."""
+        return self.nbytes * (2 if self.op == "all_reduce" else 1)
 
 
 @dataclass
@@ -111,6 +118,10 @@ class CommLog:
 
     def numel(self, op: str, tag: Optional[str] = None) -> int:
         return sum(r.numel for r in self.of(op, tag))
+
+    def volume_bytes(self, crosses_nodes: Optional[bool] = None) -> int:
+        """Total `CommRecord.volume_bytes`: of every call, or only of inter-node (True) / intra-node (False) ones."""
+        return sum(r.volume_bytes for r in self.records if crosses_nodes is None or r.crosses_nodes == crosses_nodes)
 
 
 _active_logs: list[CommLog] = []  # a debugging aid, not configuration: see record()
@@ -156,15 +167,17 @@ def record() -> Iterator[CommLog]:
 def _log(op: str, impl: str, tensor: torch.Tensor, tag: str, group: ProcessGroup = None,
          what: str = "") -> watchdog.Entry:
     """Record a collective (record() logs, flight recorder); under debug_sync, check ranks agree first."""
+    if _active_logs or _observers:
+        rec = CommRecord(op, impl, tensor.numel(), tensor.dtype, tag, topology.crosses_nodes(group))
     for log in _active_logs:
-        log.records.append(CommRecord(op, impl, tensor.numel(), tensor.dtype, tag))
+        log.records.append(rec)
     entry = watchdog.issue(op, tag, tensor.numel(), tensor.dtype, _group_name(group), what)
     if _observers:
         skipped = skips_collectives(group)
         if skipped:
             entry.done_at = entry.issued_at  # an identity: nothing to wait for
         for observer in _observers:
-            observer.issued(CommRecord(op, impl, tensor.numel(), tensor.dtype, tag), entry, skipped)
+            observer.issued(rec, entry, skipped)
     if watchdog.debug_sync_enabled() and not skips_collectives(group):
         _check_same_collective(entry, group)
     return entry

@@ -85,9 +85,6 @@ NO_EFFECT: dict[str, NoEffect] = {
         "switched off", lambda v: v is False,
         "storing frozen weights quantized (ZeRO++) is not implemented; remove the key (zero_quantized_weights "
         "quantizes every gather)"),
-    "zero_optimization.zero_hpz_partition_size": NoEffect(
-        "1 means no secondary partition", lambda v: v in (0, 1),
-        "hierarchical partitioning (ZeRO++ hpZ) is not implemented; remove the key or set 1"),
     "zero_optimization.zeropp_loco_param": NoEffect("switched off", lambda v: v is None,
                                                     "ZeRO++ LoCo is not implemented; remove the key"),
     "zero_optimization.mics_shard_size": NoEffect(

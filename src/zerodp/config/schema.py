@@ -132,6 +132,12 @@ class ZeroOptimizationConfig(StrictModel):
                                            "an all-to-all of int4 slices with one fp32 scale per 256 elements (about "
                                            "an eighth of fp32's bytes), dequantized and summed in fp32 in rank "
                                            "order. An approximation: see docs/quantized.md.")
+    zero_hpz_partition_size: int = Field(1, ge=0, description="ZeRO++ hpZ (stage 3): besides its primary shard "
+                                         "(1/N of each unit), a rank keeps a secondary shard (1/k of the unit, taken "
+                                         "from the forward's gather) shared by the k consecutive ranks of its block, "
+                                         "normally one node (k = ranks per node), so that the backward's gathers stay "
+                                         "inside the block. Exact (placement only); costs 1/k of the parameters per "
+                                         "rank from the forward until the optimizer step. 0 or 1: off.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Make save_16bit_model (and every "
                                                             "save_checkpoint, as DeepSpeed does) also write the "
                                                             "consolidated weights in the compute dtype as safetensors.")
@@ -142,10 +148,10 @@ class ZeroOptimizationConfig(StrictModel):
             raise ValueError("contiguous_gradients=false is not supported: zerodp always reduces contiguous "
                              "buckets (it costs no extra memory); remove the key or set it to true")
         check_stage(self.stage, self.offload_optimizer, self.offload_param)
-        for key in ("zero_quantized_weights", "zero_quantized_gradients"):
-            if self.stage < 3 and getattr(self, key):  # DeepSpeed applies ZeRO++ to stage 3 only, and ignores it below
-                warnings.warn(f"zero_optimization.{key} has no effect at stage {self.stage}: ZeRO++'s quantized "
-                              f"collectives are stage 3's", UserWarning, stacklevel=2)
+        for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"):
+            if self.stage < 3 and getattr(self, key) not in (False, 0, 1):  # DeepSpeed applies ZeRO++ to stage 3 only, and ignores it below
+                warnings.warn(f"zero_optimization.{key} has no effect at stage {self.stage}: ZeRO++ (quantized "
+                              f"collectives, secondary shards) is stage 3's", UserWarning, stacklevel=2)
         if self.stage < 3 and self.reduce_bucket_size == 0:
             raise ValueError("reduce_bucket_size=0 is only meaningful at stage 3 (where buckets are not used); "
                              "write a number of elements, e.g. 500000000")

@@ -17,6 +17,7 @@ from ..config import ZeroConfig
 from ..errors import ConfigError
 from ..offload.build import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit
+from .hpz import build_secondary_group
 from .inference_cache import InferenceCache
 from .module_unit import ModuleUnit
 from .params import owner_of
@@ -45,8 +46,11 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     if any(isinstance(owner_of(p), FlatUnit) for p in params):
         raise ValueError("zerodp stage 3: the model is already partitioned by another engine")
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
+    secondary = build_secondary_group(zero.zero_hpz_partition_size, process_group, whole_tensors=any(whole),
+                                      offload_param=zero.offload_param.enabled)
     shards = ShardGroup(process_group, params[0].device, use_all_reduce=not zero.reduce_scatter,
-                        quantized_weights=zero.zero_quantized_weights, quantized_gradients=zero.zero_quantized_gradients)
+                        quantized_weights=zero.zero_quantized_weights, quantized_gradients=zero.zero_quantized_gradients,
+                        secondary=secondary)
     plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
     threshold = zero.stage3_param_persistence_threshold
     # offload_param: where sharded units' parameter shards live between uses (None: with the unit)

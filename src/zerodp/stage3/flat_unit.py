@@ -9,6 +9,8 @@ only this rank's slice persistently:
     gathered     padded_numel elements               allocated only while the unit is gathered
     grad_full    padded_numel elements               allocated only between a unit's first
                                                      gradient of a micro-step and its reduction
+    secondary    padded_numel / k elements           hpZ only: from a forward's gather to the
+                                                     step; see [Note: secondary shards] (hpz.py)
 
 so at rest it holds (param + grad) * Psi_unit / N bytes, the paper's Pos+g+p. The optimizer and
 checkpoints see it through `seams.ShardedUnit`. Its gradients are a `flat.grad_shard.GradShard`
@@ -95,6 +97,7 @@ class FlatUnit:
             params, self.layout, self.shard_index, shards.world, self._reduce, keep_full=False,
             name=f"{module_name}[{index}]", home=None if persistent or whole_tensors else grad_home) if trainable else None
         self._gather_handle = None
+        self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: see [Note: secondary shards]
         # offload_param: an offload.ShardStore that param_shard's storage lives in between uses, or None
         self.param_home = param_home
         self.holders = 0                 # module units (and gathered_parameters blocks) using the values now
@@ -112,6 +115,8 @@ class FlatUnit:
     def param_bytes(self) -> int:
         """Parameter bytes held now: the shard, plus the gathered buffer while it is allocated."""
         shard = 0 if self.persistent else self.param_shard.numel() * self.param_shard.element_size()
+        if self.secondary_shard is not None:
+            shard += self.secondary_shard.numel() * self.secondary_shard.element_size()
         return shard + self.gathered.nbytes
 
     def grad_bytes(self) -> int:
@@ -135,6 +140,11 @@ class FlatUnit:
         """Start gathering the full parameters (no-op when gathered or in flight)."""
         if self.state is not ShardState.SHARDED:
             return
+        if self.secondary_shard is not None:  # hpZ: the same values, gathered inside the block
+            self._gather_handle = self.shards.unshard(self.gathered.tensor, self.secondary_shard, what=self.describe(),
+                                                      secondary=True)
+            self.state = ShardState.GATHERING
+            return
         if self.param_home is not None:  # offload_param: the shard is read in (or ahead) before it is sent
             self.param_home.acquire(self.param_shard)
         self._gather_handle = self.shards.unshard(self.gathered.tensor, self.param_shard, what=self.describe(),
@@ -146,7 +156,7 @@ class FlatUnit:
         if self.state is ShardState.GATHERING:
             self._gather_handle.wait()
             self._gather_handle = None
-            if self.param_home is not None:  # offload_param: the gather no longer reads the shard
+            if self.param_home is not None and self.secondary_shard is None:  # the gather no longer reads the shard
                 self.param_home.release(self.param_shard)
             set_partitioned(self.params, self._classes)
             self.state = ShardState.GATHERED
@@ -157,11 +167,25 @@ class FlatUnit:
             return
         assert self.holders == 0, f"resharding {self.module_name} while {self.holders} users hold it"
         self.wait_for_unshard()  # never free a buffer a collective may still write
+        self._keep_secondary()
         set_partitioned(self.params, None)
         # Setting p.data would only drop a reference: autograd's saved views keep the bytes alive.
         free_storage(self.gathered.tensor)
         self.shards.on_resharded(self.gathered.tensor)
         self.state = ShardState.SHARDED
+
+    def _keep_secondary(self) -> None:
+        """hpZ: keep this rank's slice of the block's copy before the gathered values are freed, if the
+        parameters are being trained (autograd on: a backward will gather them again)."""
+        secondary = self.shards.secondary
+        if secondary is None or self.secondary_shard is not None or not torch.is_grad_enabled():
+            return
+        numel = self.layout.padded_numel // secondary.world
+        self.secondary_shard = self.gathered.tensor.narrow(0, secondary.rank * numel, numel).clone()
+
+    def drop_secondary(self) -> None:
+        """hpZ: the shards changed (optimizer step, write-back, load): the next gather reads the primaries."""
+        self.secondary_shard = None
 
     def acquire(self, wait: bool = True) -> None:
         """Hold the full parameters (gathering them if needed) until the matching `release`."""
@@ -201,6 +225,7 @@ class FlatUnit:
             self.param_shard.copy_(self.gathered.shard(self.shard_index))
             if self.param_home is not None:
                 self.param_home.release(self.param_shard, dirty=True)
+            self.drop_secondary()
 
     # -- gradients ---------------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ import torch
 from .. import comm
 from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..flat.buffer import alloc_storage
+from .hpz import SecondaryGroup
 
 
 class _StreamHandle:
@@ -72,8 +73,10 @@ class ShardGroup:
     """The ranks a model's units are sharded over, and where their collectives run."""
 
     def __init__(self, process_group: comm.ProcessGroup, device: torch.device, use_all_reduce: bool = False,
-                 quantized_weights: bool = False, quantized_gradients: bool = False) -> None:
+                 quantized_weights: bool = False, quantized_gradients: bool = False,
+                 secondary: Optional[SecondaryGroup] = None) -> None:
         self.process_group = process_group
+        self.secondary = secondary  # hpZ: the block that shares secondary shards (hpz.py), or None
         self.use_all_reduce = use_all_reduce  # DeepSpeed's reduce_scatter=false
         # ZeRO++ qwZ / qgZ (comm/quantized.py): approximations the user asked for, on sharded units' gathers
         # and reductions (persistent units gather their updated shards exactly, after the step)
@@ -92,24 +95,28 @@ class ShardGroup:
         self.live_numel = 0       # elements of gathered buffers allocated right now (persistent units excluded)
         self.peak_live_numel = 0
 
-    def unshard(self, full: torch.Tensor, shard: torch.Tensor, what: str = "", ranges=None):
+    def unshard(self, full: torch.Tensor, shard: torch.Tensor, what: str = "", ranges=None, secondary: bool = False):
         """Allocate `full` and all-gather every rank's `shard` into it; returns a handle to wait on.
-        `ranges`: each rank's range of `full` where shards differ in size (None: equal shards)."""
+        `ranges`: each rank's range of `full` where shards differ in size (None: equal shards).
+        `secondary`: `shard` is a secondary shard, gathered inside the hpZ block ([Note: secondary shards])."""
         self.live_numel += full.numel()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         if self.gather_stream is None:
             alloc_storage(full, full.numel())
-            return self._all_gather(full, shard, ranges, async_op=True, what=what)
+            return self._all_gather(full, shard, ranges, async_op=True, what=what, secondary=secondary)
         stream = self.gather_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             alloc_storage(full, full.numel())  # memory from the gather stream's pool
             # NCCL queues the op after `stream` and makes `stream` wait for it; the host does not block
-            self._all_gather(full, shard, ranges, async_op=False, what=what)
+            self._all_gather(full, shard, ranges, async_op=False, what=what, secondary=secondary)
             event = stream.record_event()
         return _StreamHandle(event, consumed=full)
 
-    def _all_gather(self, full, shard, ranges, async_op: bool, what: str):
+    def _all_gather(self, full, shard, ranges, async_op: bool, what: str, secondary: bool = False):
+        if secondary:  # exact, inside the block: only the primary gather crosses nodes, so only it is quantized
+            return comm.all_gather(full, shard, self.secondary.process_group, async_op=async_op, tag="param",
+                                   what=what)
         if ranges is None and self.quantized_weights:
             return all_gather_quantized(full, shard, self.process_group, async_op=async_op, tag="param", what=what)
         if ranges is None:
@@ -148,6 +155,9 @@ class ShardGroup:
         atexit.unregister(self._close_at_exit)
         group, self.reduce_group = self.reduce_group, self.process_group
         comm.destroy_group(group, made_from=self.process_group)
+        if self.secondary is not None:
+            block, self.secondary = self.secondary.process_group, None
+            comm.destroy_group(block, made_from=self.process_group)
 
     def sync_all(self) -> None:
         """Make the current stream wait for every side-stream collective (CUDA; no-op on CPU)."""

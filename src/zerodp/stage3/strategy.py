@@ -174,6 +174,8 @@ class Stage3Sharding:
     def after_step(self) -> None:
         """All-gather the updated shards of persistent units; sharded units are gathered when next used."""
         self.release_kept_units()
+        for f in self.flats:
+            f.drop_secondary()  # hpZ: the primaries changed ([Note: secondary shards])
         handles = [f.after_step_gather() for f in self.units if f.persistent]
         for h in handles:
             h.wait()
