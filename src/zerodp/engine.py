@@ -100,7 +100,8 @@ class ZeroEngine:
         self.grad_home = getattr(self.sharding, "grad_home", None)  # ... and their gradient shards (fp32 nvme)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
-            self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, process_group,
+            # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
+            self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
             param_home=self.param_home, grad_home=self.grad_home)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)

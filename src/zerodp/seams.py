@@ -54,6 +54,8 @@ class ShardingStrategy(Protocol):
 
     units: Sequence[ShardedUnit]         # trainable units, in the order the optimizer steps them
     frozen_units: Sequence[ShardedUnit]  # sharded frozen parameters (stage 3); never stepped
+    state_group: Any                     # the ranks the units' shards split over: the engine's, or a MiCS block
+    replica_index: int                   # MiCS: this rank's block (0 writes checkpoint shards); else 0
 
     @property
     def reduces_every_micro_step(self) -> bool: ...  # else only at the accumulation boundary

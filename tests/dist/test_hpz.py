@@ -51,8 +51,9 @@ def hpz_case(name: str, zero: dict) -> tuple:
     return losses, state, inter, intra, log.volume_bytes(True)
 
 
-@pytest.mark.parametrize("name", ["gpt_tied", "called_twice", "frozen_embedding", "checkpoint_reentrant",
-                                  "checkpoint_non_reentrant"])
+# gpt_tied clips with SGD (a norm summed over the wrong ranks fails it; Adam would hide it), the others gather
+# inside backward (recompute) and call a module twice
+@pytest.mark.parametrize("name", ["gpt_tied", "frozen_embedding", "checkpoint_reentrant", "checkpoint_non_reentrant"])
 def test_hpz_matches_pytorch_and_keeps_backward_gathers_in_the_node(dist_run, name):
     results = dist_run(4, hpz_case, name, HPZ)
     ref_losses, ref_state, _ = reference_case(name, 4)

@@ -162,7 +162,7 @@ def test_auto_values_can_be_supplied_by_an_integration():
     ({"zero_optimization": {"allgather_partitions": False}}, "allgather_partitions=false"),
     ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "same setting"),
     ({"comet": {"enabled": True}}, "Comet monitor is not implemented"),
-    ({"zero_optimization": {"mics_shard_size": 8}}, "MiCS is not implemented"),
+    ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}}, "LoCo is not implemented"),
     ({"steps_per_print": "auto"}, "'steps_per_print' is 'auto'"),
     ({"zero_optimization": {"sub_grup_size": 1}}, "did you mean 'sub_group_size'"),
 ])

@@ -112,7 +112,7 @@ def full_state_dict(engine: CheckpointEngine, rank0_only: bool = True) -> dict[s
     gathered: dict[str, torch.Tensor] = {}
     for unit, master in sharded_units(engine):
         source = master if master is not None else unit.param_shard  # frozen units (stage 3) have no master
-        flat = gather_flat(unit.layout, source, engine.process_group, chunk_numel, keep)
+        flat = gather_flat(unit.layout, source, engine.sharding.state_group, chunk_numel, keep)
         if keep:
             for p, offset, numel, shape in zip(unit.params, unit.layout.offsets, unit.layout.numels,
                                                unit.layout.shapes):

@@ -111,8 +111,8 @@ def shard_payload(engine: CheckpointEngine):
     tensors: dict[str, torch.Tensor] = {}
     segments, units = [], []
     for unit, master in sharded_units(engine):
-        if unit.layout.num_shards == 1 and engine.rank != 0:
-            continue  # replicated on every rank (stage 0): rank 0's copy is enough
+        if (unit.layout.num_shards == 1 and engine.rank != 0) or engine.sharding.replica_index != 0:
+            continue  # replicated on every rank (stage 0) or in every MiCS block: the first copy is enough
         st = engine.optimizer.state_of(master_index(engine, master)) if master is not None else {}
         sources = {fmt.MASTER: master} if master is not None else {fmt.FROZEN: unit.param_shard}
         elementwise = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == master.shape}

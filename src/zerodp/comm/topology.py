@@ -93,3 +93,24 @@ def consecutive_groups(size: int, group=None):
         if inside:
             mine = block
     return mine
+
+
+def strided_groups(size: int, group=None):
+    """The transpose of `consecutive_groups(size)`: ranks at the same position of every block of `size`
+    (positions i, i + size, i + 2 size, ...); returns this rank's group. Every rank of `group` calls it."""
+    world = _world(group)
+    if size < 1 or world % size:
+        raise ValueError(f"a block of {size} ranks does not divide the {world} ranks")
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    local = group is not None and group is not dist.group.WORLD
+    me = dist.get_rank(group)
+    mine = None
+    for position in range(size):
+        inside = me % size == position
+        if local and not inside:
+            continue
+        made = dist.new_group(ranks[position::size], backend=str(dist.get_backend(group)),
+                              use_local_synchronization=local)
+        if inside:
+            mine = made
+    return mine

@@ -87,10 +87,6 @@ NO_EFFECT: dict[str, NoEffect] = {
         "quantizes every gather)"),
     "zero_optimization.zeropp_loco_param": NoEffect("switched off", lambda v: v is None,
                                                     "ZeRO++ LoCo is not implemented; remove the key"),
-    "zero_optimization.mics_shard_size": NoEffect(
-        "-1 means MiCS is off", lambda v: v is not None and v <= 0, "MiCS is not implemented; remove the key"),
-    "zero_optimization.mics_hierarchical_params_gather": NoEffect(
-        "switched off", lambda v: v is False, "MiCS is not implemented; remove the key"),
     "zero_optimization.stage3_model_persistence_threshold": NoEffect(
         "no limit (DeepSpeed's default)", lambda v: v >= 2 ** 62,
         "a model-wide persistence budget is not implemented; use stage3_param_persistence_threshold"),

@@ -138,6 +138,13 @@ class ZeroOptimizationConfig(StrictModel):
                                          "normally one node (k = ranks per node), so that the backward's gathers stay "
                                          "inside the block. Exact (placement only); costs 1/k of the parameters per "
                                          "rank from the forward until the optimizer step. 0 or 1: off.")
+    mics_shard_size: int = Field(-1, description="MiCS / FSDP2's HSDP (stage 3): shard the model states inside "
+                                 "blocks of this many consecutive ranks and replicate them across blocks; gathers stay "
+                                 "in the block, gradients are reduce-scattered in it and all-reduced across the "
+                                 "replicas. The ranks per node (LOCAL_WORLD_SIZE) is HSDP. Exact (placement only); "
+                                 "each rank holds 1/size of the states instead of 1/N. -1 (or the world size): off.")
+    mics_hierarchical_params_gather: bool = Field(False, description="MiCS: gather a block that spans nodes in two "
+                                                  "hops. Not implemented: only false is accepted.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Make save_16bit_model (and every "
                                                             "save_checkpoint, as DeepSpeed does) also write the "
                                                             "consolidated weights in the compute dtype as safetensors.")
@@ -148,10 +155,10 @@ class ZeroOptimizationConfig(StrictModel):
             raise ValueError("contiguous_gradients=false is not supported: zerodp always reduces contiguous "
                              "buckets (it costs no extra memory); remove the key or set it to true")
         check_stage(self.stage, self.offload_optimizer, self.offload_param)
-        for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"):
-            if self.stage < 3 and getattr(self, key) not in (False, 0, 1):  # DeepSpeed applies ZeRO++ to stage 3 only, and ignores it below
+        for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size", "mics_shard_size"):
+            if self.stage < 3 and getattr(self, key) not in (False, 0, 1, -1):  # DeepSpeed applies ZeRO++ to stage 3 only, and ignores it below
                 warnings.warn(f"zero_optimization.{key} has no effect at stage {self.stage}: ZeRO++ (quantized "
-                              f"collectives, secondary shards) is stage 3's", UserWarning, stacklevel=2)
+                              f"collectives, secondary shards) and MiCS are stage 3's", UserWarning, stacklevel=2)
         if self.stage < 3 and self.reduce_bucket_size == 0:
             raise ValueError("reduce_bucket_size=0 is only meaningful at stage 3 (where buckets are not used); "
                              "write a number of elements, e.g. 500000000")

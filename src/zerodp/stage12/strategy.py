@@ -26,6 +26,8 @@ class GradReducer:
         self.buckets = buckets
         self.units = buckets
         self.process_group = process_group
+        self.state_group = process_group  # the optimizer's shards are split over every rank
+        self.replica_index = 0
         self.policy = policy
         self.allgather_numel = allgather_numel
         self.reducing_this_micro_step = False

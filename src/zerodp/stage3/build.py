@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..offload.build import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit
 from .hpz import build_secondary_group
+from .mics import build_replicated_shards
 from .inference_cache import InferenceCache
 from .module_unit import ModuleUnit
 from .params import owner_of
@@ -46,11 +47,16 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     if any(isinstance(owner_of(p), FlatUnit) for p in params):
         raise ValueError("zerodp stage 3: the model is already partitioned by another engine")
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g}
+    replicated = build_replicated_shards(zero.mics_shard_size, zero.mics_hierarchical_params_gather, process_group,
+                                         zero=zero)
+    if replicated is not None and any(whole):
+        raise ConfigError("mics_shard_size with an optimizer that reads whole tensors (Muon, Adafactor) is not "
+                          "implemented; remove the key or use an elementwise optimizer")
     secondary = build_secondary_group(zero.zero_hpz_partition_size, process_group, whole_tensors=any(whole),
                                       offload_param=zero.offload_param.enabled)
     shards = ShardGroup(process_group, params[0].device, use_all_reduce=not zero.reduce_scatter,
                         quantized_weights=zero.zero_quantized_weights, quantized_gradients=zero.zero_quantized_gradients,
-                        secondary=secondary)
+                        secondary=secondary, replicated=replicated)
     plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
     threshold = zero.stage3_param_persistence_threshold
     # offload_param: where sharded units' parameter shards live between uses (None: with the unit)

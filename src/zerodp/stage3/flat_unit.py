@@ -94,7 +94,7 @@ class FlatUnit:
         # Frozen units have no gradient storage at all; a sharded unit's may live in `grad_home` (an
         # offload.ShardStore, see [Note: gradient shards offloaded]) between uses.
         self.grads: Optional[GradShard] = GradShard(
-            params, self.layout, self.shard_index, shards.world, self._reduce, keep_full=False,
+            params, self.layout, self.shard_index, shards.data_parallel_world, self._reduce, keep_full=False,
             name=f"{module_name}[{index}]", home=None if persistent or whole_tensors else grad_home) if trainable else None
         self._gather_handle = None
         self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: see [Note: secondary shards]
@@ -218,7 +218,7 @@ class FlatUnit:
         """Make rank `src`'s gathered values the new parameters: broadcast them and keep this rank's
         slice. Every rank must call it while gathered."""
         assert self.state is ShardState.GATHERED
-        comm.broadcast(self.gathered.tensor, src, self.shards.process_group, tag="param")
+        comm.broadcast(self.gathered.tensor, src, self.shards.control_group, tag="param")  # src: a rank of the job
         if not self.persistent:
             if self.param_home is not None:  # offload_param: written back to its home when evicted
                 self.param_home.acquire(self.param_shard)

@@ -82,7 +82,7 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
             for f in flats:
                 f.write_back(modifier_rank)
                 context[id(f)].on_shard_written(f)  # the engine refreshes the fp32 master from it
-            group = flats[0].shards.process_group if flats else None
+            group = flats[0].shards.control_group if flats else None  # modifier_rank: a rank of the job
             for p in whole:
                 with torch.no_grad():
                     comm.broadcast(p.data, modifier_rank, group, tag="param")

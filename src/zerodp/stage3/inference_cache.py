@@ -98,7 +98,7 @@ class InferenceCache:
             return
         # note: a collective, once per session; every rank runs the same root forward, so all are here
         free = torch.tensor([free_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-        comm.all_reduce(free, self.shards.process_group, op=torch.distributed.ReduceOp.MIN, tag="control")
+        comm.all_reduce(free, self.shards.control_group, op=torch.distributed.ReduceOp.MIN, tag="control")
         by_memory = int(self.memory_fraction * float(free.item()) / self.element_size)
         self.budget_numel = min(by_memory, self.max_live_numel)
 

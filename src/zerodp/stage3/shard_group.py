@@ -42,6 +42,7 @@ from .. import comm
 from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..flat.buffer import alloc_storage
 from .hpz import SecondaryGroup
+from .mics import ReplicatedShards, close_replicated_shards
 
 
 class _StreamHandle:
@@ -74,16 +75,22 @@ class ShardGroup:
 
     def __init__(self, process_group: comm.ProcessGroup, device: torch.device, use_all_reduce: bool = False,
                  quantized_weights: bool = False, quantized_gradients: bool = False,
-                 secondary: Optional[SecondaryGroup] = None) -> None:
-        self.process_group = process_group
+                 secondary: Optional[SecondaryGroup] = None, replicated: Optional[ReplicatedShards] = None) -> None:
+        # every rank of the job: what ranks agree on (flat/reduce_queue.py's control collective), write-backs
+        self.control_group = process_group
+        self.replicated = replicated  # MiCS/HSDP: shards inside a block, replicated across blocks (mics.py), or None
+        # the ranks a unit is sharded over (all of them, or this rank's MiCS block): gathers
+        self.process_group = process_group if replicated is None else replicated.shard_group
+        self.data_parallel_world = comm.get_world_size(process_group)  # gradients are averaged over every rank
         self.secondary = secondary  # hpZ: the block that shares secondary shards (hpz.py), or None
         self.use_all_reduce = use_all_reduce  # DeepSpeed's reduce_scatter=false
         # ZeRO++ qwZ / qgZ (comm/quantized.py): approximations the user asked for, on sharded units' gathers
         # and reductions (persistent units gather their updated shards exactly, after the step)
         self.quantized_weights, self.quantized_gradients = quantized_weights, quantized_gradients
-        self.rank = comm.get_rank(process_group)
-        self.world = comm.get_world_size(process_group)
-        self.reduce_group = comm.new_group_like(process_group)  # see [Note: two communicators]
+        self.rank = comm.get_rank(self.process_group)
+        self.world = comm.get_world_size(self.process_group)
+        # see [Note: two communicators]
+        self.reduce_group = comm.new_group_like(process_group) if replicated is None else replicated.reduce_group
         # A backstop for entry points that never close the engine (a Trainer keeps it to the end): the group is
         # destroyed before interpreter shutdown, not by C++ static destructors ([Note: teardown] in comm).
         self._close_at_exit = _closer(weakref.ref(self))
@@ -141,18 +148,32 @@ class ShardGroup:
         """Sum `full` over ranks into this rank's slice `output`; returns a handle to wait on.
         `ranges`: as in `unshard`."""
         if self.reduce_stream is None:
-            return self._reduce_scatter(output, full, ranges, async_op=True, what=what)
+            handle = self._reduce_scatter(output, full, ranges, async_op=True, what=what)
+            if self.replicated is None:
+                return handle
+            return comm.Handle(None, lambda: (handle.wait(), self._reduce_replicas(output, what)))
         stream = self.reduce_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._reduce_scatter(output, full, ranges, async_op=False, what=what)
+            if self.replicated is not None:
+                self._reduce_replicas(output, what)
             event = stream.record_event()
         full.record_stream(stream)  # allocated on the compute stream, read on this one
         return _StreamHandle(event, consumed=None)
 
+    def _reduce_replicas(self, output: torch.Tensor, what: str) -> None:
+        """MiCS/HSDP: sum the block's reduced slice over the replicas ([Note: replicated shards]). Blocking,
+        in the reductions' order (the same on every rank), on its own communicator."""
+        comm.all_reduce(output, self.replicated.replicate_group, tag="grad", what=what)
+
     def close(self) -> None:
-        """Destroy the reduction communicator this group made (idempotent); see comm.destroy_group."""
+        """Destroy the communicators this group made (idempotent); see comm.destroy_group."""
         atexit.unregister(self._close_at_exit)
+        if self.replicated is not None:
+            replicated, self.replicated = self.replicated, None
+            self.reduce_group = self.process_group
+            close_replicated_shards(replicated)
         group, self.reduce_group = self.reduce_group, self.process_group
         comm.destroy_group(group, made_from=self.process_group)
         if self.secondary is not None:

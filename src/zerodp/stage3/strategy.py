@@ -77,10 +77,12 @@ class Stage3Sharding:
         self.units = [f for f in flats if f.trainable]      # what the optimizer steps
         self.frozen_units = [f for f in flats if not f.trainable]
         self.shards = shards
+        self.state_group = shards.process_group  # every rank, or this rank's MiCS block ([Note: replicated shards])
+        self.replica_index = shards.replicated.replica_index if shards.replicated is not None else 0
         self.schedule = schedule
         self.serial = next(_serial)
         device = flats[0].param_shard.device
-        self.queue = ReduceQueue(shards.process_group, device, async_op=True, max_inflight=self.max_inflight,
+        self.queue = ReduceQueue(shards.control_group, device, async_op=True, max_inflight=self.max_inflight,
                                  reduce_all=False)
         self._owner = {id(f): mu for mu in module_units for f in mu.flats}  # flat unit -> its module unit
         self._held_until_backward_ends: list[FlatUnit] = []

@@ -1,0 +1,93 @@
+"""MiCS / FSDP2's HSDP (`mics_shard_size`): shard inside blocks, replicate across them ([Note: replicated shards]).
+
+4 gloo ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2 in the workers), blocks of 2 (= HSDP: shard in the node):
+- placement only, so exact: the stage-3 parity cases (a module called twice, tied embeddings, a frozen
+  unit, both activation checkpointings, gradient accumulation, clipping by the global norm) equal plain
+  single-process PyTorch with plain stage 3's tolerance;
+- the placement is what it says: each rank holds half of every unit (not a quarter), every parameter
+  gather and gradient reduce-scatter stays inside the node, and the only inter-node traffic of a step is
+  the replicas' all-reduce of the reduced slices (ZeRO-3 sends every byte across);
+- checkpoints are plain stage 3's: a MiCS run resumes as plain stage 3 on 3 ranks and back, parameters
+  equal to the saved ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerodp
+from zerodp import comm
+from tests.dist.test_hpz import _as_two_nodes, load_and_train, refusal, save_after_training
+from tests.dist.test_stage3_parity import assert_matches, reference_case, zerodp_case
+
+MICS = {"mics_shard_size": 2}
+
+
+def mics_case(name: str, zero: dict) -> tuple:
+    """The parity case on this rank; its traffic by (op, inter-node) and its shard fraction."""
+    with comm.record() as log:
+        losses, state = _as_two_nodes(zerodp_case, name, zero=zero)
+    traffic: dict = {}
+    for r in log.records:
+        if r.tag in ("param", "grad"):
+            key = f"{r.tag}:{r.op}:{'inter' if r.crosses_nodes else 'intra'}"
+            traffic[key] = traffic.get(key, 0) + r.volume_bytes
+    return losses, state, traffic
+
+
+def shard_fraction(zero: dict) -> float:
+    """Elements of the units this rank keeps, over the units' elements (padded)."""
+    def run():
+        from tests.dist.test_hpz import _engine
+        _, engine = _engine(zero)
+        units = engine.sharding.units
+        fraction = sum(u.param_shard.numel() for u in units) / sum(u.layout.padded_numel for u in units)
+        engine.close()
+        return fraction
+    return _as_two_nodes(run)
+
+
+# gpt_tied clips with SGD: a gradient norm summed over the replicas too (each shard counted twice) fails it
+@pytest.mark.parametrize("name", ["gpt_tied", "called_twice", "frozen_embedding", "checkpoint_non_reentrant"])
+def test_mics_matches_pytorch_and_crosses_nodes_only_to_sum_replicas(dist_run, name):
+    results = dist_run(4, mics_case, name, MICS)
+    ref_losses, ref_state, _ = reference_case(name, 4)
+    assert_matches([(losses, state) for losses, state, _ in results], ref_losses, ref_state)
+    if name != "gpt_tied":
+        return  # the traffic is a property of the layout: one model shows it
+    plain = dist_run(4, mics_case, name, {})
+    for (_, _, traffic), (_, _, traffic0) in zip(results, plain):
+        inter = {k: v for k, v in traffic.items() if k.endswith(":inter")}
+        assert set(inter) == {"grad:all_reduce:inter"}, traffic
+        # the same gathers, inside the node (units are padded to a multiple of 2 ranks instead of 4: a few elements less)
+        assert traffic["param:all_gather:intra"] == pytest.approx(traffic0["param:all_gather:inter"], rel=0.02)
+        assert "grad:reduce_scatter:intra" in traffic
+        # the replicas' all-reduce moves each rank's half of the gradients (x2: an all-reduce's volume), so
+        # ZeRO-3's inter-node total (gathers + reduce-scatter) is larger than it
+        assert inter["grad:all_reduce:inter"] < sum(v for k, v in traffic0.items() if k.endswith(":inter"))
+
+
+def test_mics_shards_over_the_block_not_the_world(dist_run):
+    for fraction, plain in zip(dist_run(4, shard_fraction, MICS), dist_run(4, shard_fraction, {})):
+        assert fraction == pytest.approx(1 / 2) and plain == pytest.approx(1 / 4)
+
+
+@pytest.mark.parametrize("saved_as, loaded_as", [((4, MICS), (3, {})), ((2, {}), (4, MICS))])
+def test_mics_checkpoints_load_as_plain_stage3_and_back(dist_run, tmp_path, saved_as, loaded_as):
+    path = str(tmp_path / "ckpt")
+    saved = dist_run(saved_as[0], save_after_training, path, saved_as[1])[0]
+    for state, losses in dist_run(loaded_as[0], load_and_train, path, loaded_as[1]):
+        for key, value in saved.items():
+            assert torch.equal(state[key], value), f"{key} changed through save/load"
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] * 1.5
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"mics_shard_size": 3}, "mics_shard_size=3 does not divide the 4 ranks"),
+    ({"mics_shard_size": 2, "mics_hierarchical_params_gather": True}, "mics_hierarchical_params_gather=true is not"),
+    ({"mics_shard_size": 2, "zero_hpz_partition_size": 2}, "mics_shard_size with zero_hpz_partition_size is not"),
+])
+def test_mics_refusals_name_the_problem(dist_run, zero, message):
+    for got in dist_run(4, refusal, zero):
+        assert message in got
