@@ -1,5 +1,6 @@
 """DeepSpeed's gradient arithmetic keys (`communication_data_type`, `data_types.grad_accum_dtype`,
-`gradient_predivide_factor`, `prescale_gradients`) at stages 0-3 on 2 gloo ranks, bitwise against a
+`gradient_predivide_factor`, `prescale_gradients`) at stages 0-3 on 2 gloo ranks, in bf16, fp16 (static
+loss scale) and fp32 runs, bitwise against a
 plain-PyTorch reference that does the same arithmetic in one process.
 
 The reference (`simulated_reference`) runs the parity model in bf16 (or fp32) on each rank's
@@ -32,6 +33,7 @@ import zerodp
 from tests.dist.common import _Params, make_model, make_optimizer, micro_batch, train_steps
 
 STEPS, MICRO_BS, GAS, WORLD = 4, 2, 3, 2
+LOSS_SCALE = 256.0  # fp16 runs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -40,6 +42,8 @@ def config(stage: int, compute: str, keys: dict) -> dict:
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300}, **keys}
     if compute == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if compute == "fp16":  # static, so that the reference scales by the same number
+        cfg["fp16"] = {"enabled": True, "loss_scale": LOSS_SCALE}
     return cfg
 
 
@@ -71,6 +75,7 @@ def simulated_reference(stage: int, compute: str, keys: dict, opt_name: str) -> 
     comm = DTYPES.get(keys.get("communication_data_type"), dtype)
     p = keys.get("gradient_predivide_factor", 1.0)
     pre, post = (WORLD, 1.0) if keys.get("prescale_gradients") else (p, WORLD / p)
+    scale = LOSS_SCALE if compute == "fp16" else 1.0  # the engine scales the loss by scale / GAS
     model = make_model().to(dtype)
     params = [q for q in model.parameters() if q.requires_grad]
     masters = [q.detach().float().clone().requires_grad_(q.requires_grad) for q in model.parameters()]
@@ -88,7 +93,7 @@ def simulated_reference(stage: int, compute: str, keys: dict, opt_name: str) -> 
                 x, y = micro_batch(step, micro, rank, WORLD, MICRO_BS, GAS)
                 loss = F.mse_loss(model(x.to(dtype)).float(), y)
                 totals[rank] += loss.detach().float()
-                grads.append(torch.autograd.grad(loss * (1.0 / GAS), params, allow_unused=True))
+                grads.append(torch.autograd.grad(loss * (scale / GAS), params, allow_unused=True))
             for i, q in enumerate(params):
                 if grads[0][i] is None:
                     continue
@@ -101,7 +106,8 @@ def simulated_reference(stage: int, compute: str, keys: dict, opt_name: str) -> 
         for i in range(len(params)):
             if stage < 2 and got[i]:
                 shard[i] = _reduce([full[rank][i].to(comm) for rank in range(WORLD)], pre, post, accum)
-            trained[i].grad = shard[i].float() if got[i] else None
+            grad = shard[i].float()
+            trained[i].grad = (grad / scale if scale != 1.0 else grad) if got[i] else None
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -126,6 +132,8 @@ CASES = {
     "fp32_reduce_predivide_3": ("bf16", {"communication_data_type": "fp32", "gradient_predivide_factor": 3.0},
                                 [1, 3]),
     "prescale": ("bf16", {"prescale_gradients": True}, [0, 2, 3]),
+    "fp16_fp32_accum": ("fp16", {"data_types": {"grad_accum_dtype": "fp32"}}, [1, 2, 3]),
+    "fp16_predivide_3": ("fp16", {"gradient_predivide_factor": 3.0}, [1, 3]),
 }
 SAME_AT_2_RANKS = {"prescale", "fp32_reduce"}  # see the module docstring
 PARAMS = [(name, stage) for name, (_, _, stages) in CASES.items() for stage in stages]

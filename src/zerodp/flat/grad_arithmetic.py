@@ -12,10 +12,13 @@ with the two divisors of `prescale_gradients` / `gradient_predivide_factor` (p),
     prescale false (default)   pre_divisor = p, post_divisor = N / p     (p = 1: sum, then divide by N)
     prescale true              pre_divisor = N, post_divisor = 1         (p is ignored, as in DeepSpeed)
 
-DeepSpeed's engine (`allreduce_bucket`) and ZeRO's all-reduce paths do the same, except that they
-multiply by p / N where zerodp divides by N / p: the same value, up to the last bit when N / p is not a
-power of two. (DeepSpeed's stage 2 and 3 with reduce_scatter=true refuse p != 1 and prescale; its stage
-1 with reduce_scatter=true ignores both; zerodp honours them at every stage.) Both only change rounding
+DeepSpeed 0.19.8 computes the same values in slightly different steps: its engine (stage 0,
+`allreduce_bucket`) and stages 1-2 with reduce_scatter=false (`gradient_reduction_w_predivide`) multiply
+by 1/p before and by p/N after (prescale: by 1/N before), and stage 3 with reduce_scatter=false divides
+by p and by N before and multiplies by p after; zerodp's single division on each side is the same value
+up to the last bit when a divisor is not a power of two. Its stages 2 and 3 with reduce_scatter=true
+refuse p != 1 and prescale (an assert), and its stage 1 with reduce_scatter=true ignores both (it
+divides by N before the reduction); zerodp honours them at every stage. Both keys only change rounding
 and the range the sum passes through: the result is the rank average either way.
 
 Where the accumulation happens is the stage's policy (`flat.grad_shard.GradShard`): stages 0-1 add
