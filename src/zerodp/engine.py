@@ -27,6 +27,7 @@ from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
 from .errors import NonFiniteError
+from .flat.grad_arithmetic import GradArithmetic
 from .optim.lr_schedules import build_schedule
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
@@ -93,7 +94,11 @@ class ZeroEngine:
         self._broadcast_module_state()
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
-        self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group)
+        # DeepSpeed's communication_data_type, data_types.grad_accum_dtype, prescale_gradients and
+        # gradient_predivide_factor: one arithmetic for every stage's reductions (flat/grad_arithmetic.py)
+        arithmetic = GradArithmetic(self.world_size, self.precision.grad_accum_dtype, self.precision.reduce_dtype,
+                                    config.gradient_predivide_factor, config.prescale_gradients)
+        self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
         self.units = self.sharding.units
         # offload_param (stage 3): the offload.ShardStore holding the parameter shards, or None
         self.param_home = getattr(self.sharding, "param_home", None)
@@ -352,14 +357,14 @@ class ZeroEngine:
 
 
 def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroConfig,
-                    process_group: comm.ProcessGroup) -> ShardingStrategy:
+                    process_group: comm.ProcessGroup, arithmetic: GradArithmetic) -> ShardingStrategy:
     """The strategy for the configured stage (seams.ShardingStrategy); `whole[g]`: group g's units
-    are laid out in whole tensors per rank."""
+    are laid out in whole tensors per rank; `arithmetic`: how gradients are accumulated and reduced."""
     zero = config.zero_optimization
     if config.stage == 3:
-        return build_stage3_sharding(model, groups, config, process_group, whole)
+        return build_stage3_sharding(model, groups, config, process_group, whole, arithmetic)
     policy = ReducePolicy.for_stage(config.stage, zero.reduce_scatter)
-    buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size, whole)
+    buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size, whole, arithmetic)
     return GradReducer(buckets, process_group, zero.overlap_comm, policy, zero.allgather_bucket_size)
 
 

@@ -4,12 +4,16 @@ With bf16 or fp16 the model computes in the low precision (parameters, activatio
 are 2 bytes each) while the optimizer steps an fp32 master copy of each rank's shard. fp16 needs a
 loss scale so that small gradients do not flush to zero; the scale is lowered when any rank sees an
 inf/nan gradient (that step is skipped everywhere) and raised after `loss_scale_window` clean steps.
+Gradients are summed over ranks in `reduce_dtype` and accumulated over micro-steps in
+`grad_accum_dtype` (DeepSpeed's communication_data_type and data_types.grad_accum_dtype; both the
+compute dtype unless configured): see flat/grad_arithmetic.py for the exact arithmetic.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -24,6 +28,8 @@ class PrecisionPolicy:
 
     param_dtype: torch.dtype   # model parameters, activations and gradients
     master_dtype: torch.dtype = torch.float32
+    reduce_dtype: Optional[torch.dtype] = None      # gradients summed over ranks in; None: param_dtype
+    grad_accum_dtype: Optional[torch.dtype] = None  # gradients accumulated over micro-steps in; None: param_dtype
 
     @property
     def mixed(self) -> bool:
@@ -32,11 +38,13 @@ class PrecisionPolicy:
 
     @classmethod
     def from_config(cls, config: ZeroConfig) -> "PrecisionPolicy":
-        if config.fp16.enabled:
-            return cls(torch.float16)
-        if config.bf16.enabled:
-            return cls(torch.bfloat16)
-        return cls(torch.float32)
+        param = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else torch.float32
+        return cls(param, reduce_dtype=DTYPES.get(config.communication_data_type),
+                   grad_accum_dtype=DTYPES.get(config.data_types.grad_accum_dtype))
+
+
+# The config's dtype names (config/precision.py canonicalizes DeepSpeed's spellings to these).
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class LossScaler:

@@ -11,7 +11,7 @@ from zerodp import comm
 from tests.dist.common import make_model, make_optimizer, micro_batch
 
 
-def one_step(stage: int, precision: str = "fp32", bucket: int = 300) -> dict:
+def one_step(stage: int, precision: str = "fp32", bucket: int = 300, keys: dict | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
@@ -19,6 +19,7 @@ def one_step(stage: int, precision: str = "fp32", bucket: int = 300) -> dict:
                                  "stage3_param_persistence_threshold": 0, "stage3_unit_min_params": 1}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    cfg.update(keys or {})
     engine = zerodp.initialize(model, make_optimizer("adamw", model), cfg)
     x, y = micro_batch(0, 0, rank, world, 4, 1)
     with comm.record() as log:
@@ -34,6 +35,7 @@ def one_step(stage: int, precision: str = "fp32", bucket: int = 300) -> dict:
         "elem": 2 if precision == "bf16" else 4,
         "grad_numel": log.numel("all_reduce", "grad") + log.numel("reduce_scatter", "grad"),
         "grad_ops": sorted({r.op for r in log.records if r.tag == "grad"}),
+        "grad_bytes_moved": sum(r.nbytes for r in log.records if r.tag == "grad"),
         "param_numel": log.numel("all_gather", "param"),
         "control_numel": sum(r.numel for r in log.records if r.tag in ("control", "norm")),
         "grad_bytes_after_backward": grad_bytes_after_backward,
@@ -82,6 +84,29 @@ def test_memory_report_matches_formula(dist_run, world, stage, precision):
                     2: e * psi + (e + k) * psi / n}[stage]
         total = sum(rep[f"{kind}_bytes_predicted"] for kind in ("params", "grads", "optimizer"))
         assert total == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp32_gradient_accumulation_costs_four_bytes_per_gradient(dist_run, world, stage):
+    """bf16 with data_types.grad_accum_dtype fp32: the persistent gradients (stage 1: the full buffer; stage 2:
+    the shard) are fp32, and memory_report predicts them with 4 bytes per element."""
+    keys = {"data_types": {"grad_accum_dtype": "fp32"}}
+    for r in dist_run(world, one_step, stage, "bf16", 300, keys):
+        rep = r["report"]
+        expected = r["padded"] * 4 // (world if stage == 2 else 1)
+        assert r["grad_bytes_after_backward"] == rep["grads_bytes"] == expected
+        assert abs(rep["grads_bytes_predicted"] - expected) <= rep["padding_numel"] * 4
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_communication_moves_four_bytes_per_gradient(dist_run, stage):
+    """bf16 with communication_data_type fp32: the same gradient elements are reduced, at twice the bytes."""
+    bf16 = dist_run(2, one_step, stage, "bf16")
+    fp32 = dist_run(2, one_step, stage, "bf16", 300, {"communication_data_type": "fp32"})
+    for a, b in zip(bf16, fp32):
+        assert a["grad_numel"] == b["grad_numel"] > 0
+        assert b["grad_bytes_moved"] == 2 * a["grad_bytes_moved"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

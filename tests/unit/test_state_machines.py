@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from zerodp import comm
+from zerodp.flat.grad_arithmetic import GradArithmetic
 from zerodp.flat.grad_shard import GradShard, GradState
 from zerodp.flat.layout import FlatLayout
 from zerodp.stage3.module_unit import ModuleUnit, TrainingState
@@ -18,7 +19,7 @@ def _shard(keep_full: bool) -> tuple[GradShard, list[nn.Parameter]]:
     def reduce(output, full, async_op):  # one rank: the sum is the buffer itself
         return comm.Handle()
 
-    return GradShard(params, layout, 0, 1, reduce, keep_full=keep_full, name="test"), params
+    return GradShard(params, layout, 0, GradArithmetic(1), reduce, keep_full=keep_full, name="test"), params
 
 
 @pytest.mark.parametrize("keep_full", [True, False])

@@ -118,20 +118,9 @@ NO_EFFECT: dict[str, NoEffect] = {
     "bf16.immediate_grad_update": NoEffect("zerodp's bf16 gradients go straight to the reduction buckets"),
     "bf16.check_grad_overflow": NoEffect("switched off", lambda v: v is False,
                                          "overflow checks under bf16 are not implemented; remove the key"),
-    "data_types.grad_accum_dtype": NoEffect(
-        "unset: gradients accumulate in the compute dtype", lambda v: v is None,
-        "choosing the gradient accumulation dtype is not implemented (zerodp accumulates in the compute dtype); "
-        "remove data_types.grad_accum_dtype"),
-    "communication_data_type": NoEffect("unset: gradients are reduced in the compute dtype", lambda v: v is None,
-                                        "choosing the communication dtype is not implemented; remove the key"),
     "seq_parallel_communication_data_type": NoEffect("zerodp has no sequence parallelism"),
     "amp": _section_off("NVIDIA apex AMP (use bf16 or fp16)"),
     # -- engine, optimizer, data ----------------------------------------------------------------------
-    "prescale_gradients": NoEffect("zerodp divides gradients after the reduction (prescale false)",
-                                   lambda v: v is False, "prescaling gradients before the reduction is not "
-                                   "implemented; remove the key or set false"),
-    "gradient_predivide_factor": NoEffect("1.0 divides nothing", lambda v: v == 1,
-                                          "gradient_predivide_factor is not implemented; remove it or set 1.0"),
     "sparse_gradients": NoEffect("switched off", lambda v: v is False, "sparse gradients are not implemented"),
     "zero_force_ds_cpu_optimizer": NoEffect("zerodp runs torch's optimizers on every device"),
     "optimizer.legacy_fusion": NoEffect("zerodp runs torch's optimizers"),

@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from .compat import normalize
+from .precision import DTYPE_NAMES, BF16Config, DataTypesConfig, FP16Config, GradDtype, dtype_name  # noqa: F401
 from .strict import _NOT_SUPPORTED, StrictModel  # noqa: F401 (_NOT_SUPPORTED: the docs render it)
 
 from ..offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
@@ -34,24 +35,6 @@ class NonFinitePolicy(str, Enum):
 
     STOP = "stop"
     SKIP = "skip"
-
-
-class FP16Config(StrictModel):
-    """fp16 mixed precision with (by default dynamic) loss scaling, as DeepSpeed's `fp16` section."""
-
-    enabled: bool = Field(False, description="Compute in fp16 with fp32 master weights.")
-    loss_scale: float = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
-    initial_scale_power: int = Field(16, ge=0, le=63, description="Dynamic scaling starts at 2**initial_scale_power.")
-    loss_scale_window: int = Field(1000, ge=1, description="Clean steps before the dynamic scale doubles.")
-    hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale is lowered.")
-    consecutive_hysteresis: bool = Field(False, description="Refill the hysteresis budget after every clean step.")
-    min_loss_scale: float = Field(1.0, gt=0, description="The dynamic scale never goes below this value.")
-
-
-class BF16Config(StrictModel):
-    """bf16 mixed precision (no loss scaling needed), as DeepSpeed's `bf16` section."""
-
-    enabled: bool = Field(False, description="Compute in bf16 with fp32 master weights.")
 
 
 class OptimizerSection(StrictModel):
@@ -184,6 +167,18 @@ class ZeroConfig(StrictModel):
                                      "to this value; 0 disables clipping.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision.")
+    communication_data_type: Optional[GradDtype] = Field(None, description="The dtype gradients are summed over "
+        "ranks in: 'fp32' in a bf16 run casts each bucket (stage 3: unit) to fp32 before the reduction and the "
+        "rank average back to the accumulation dtype after it. Unset: the compute dtype (DeepSpeed's default). "
+        "Every stage. Not with zero_quantized_gradients (its payload is int4).")
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Gradient accumulation dtype.")
+    prescale_gradients: bool = Field(False, description="Divide each rank's gradients by the world size before "
+                                     "the reduction instead of the sum after it (DeepSpeed's meaning; "
+                                     "gradient_predivide_factor is then ignored). Changes rounding and range only.")
+    gradient_predivide_factor: float = Field(1.0, gt=0, description="With prescale_gradients false: divide each "
+                                             "rank's gradients by this factor before the reduction and the sum by "
+                                             "world size / factor after it (keeps fp16 sums over many ranks in "
+                                             "range). 1: divide the sum by the world size. Every stage.")
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig,
                                                       description="ZeRO stage and communication settings.")
     optimizer: Optional[Union[OptimizerSection, list[OptimizerSection]]] = Field(
@@ -222,10 +217,34 @@ class ZeroConfig(StrictModel):
     _warnings: list[str] = PrivateAttr(default_factory=list)
     _autos: set[str] = PrivateAttr(default_factory=set)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical_comm_dtype(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "communication_data_type" in data:  # DeepSpeed reads it case-insensitively
+            names = {k: v for k, v in DTYPE_NAMES.items() if k == v}  # DeepSpeed: only fp32, fp16, bf16 here
+            data = {**data, "communication_data_type": dtype_name(data["communication_data_type"],
+                                                                   "communication_data_type", names)}
+        return data
+
     @model_validator(mode="after")
     def _check_precision(self) -> "ZeroConfig":
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        compute = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+        accum = self.data_types.grad_accum_dtype
+        if self.stage == 0 and accum not in (None, compute):
+            raise ValueError(f"data_types.grad_accum_dtype={accum!r} in a {compute} run needs ZeRO stage 1-3 "
+                             f"(DeepSpeed without ZeRO refuses it too: 'unsupported mix'); set zero_optimization."
+                             f"stage to 1, 2 or 3, or remove grad_accum_dtype")
+        if (self.communication_data_type not in (None, compute) and self.stage == 3
+                and self.zero_optimization.zero_quantized_gradients):
+            raise ValueError(f"communication_data_type={self.communication_data_type!r} with "
+                             f"zero_quantized_gradients: the quantized reduction sends int4, so no reduction dtype "
+                             f"applies; remove one of them")
+        if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
+            warnings.warn(f"gradient_predivide_factor={self.gradient_predivide_factor} has no effect with "
+                          f"prescale_gradients=true: gradients are divided by the world size before the reduction "
+                          f"(DeepSpeed ignores it too)", UserWarning, stacklevel=2)
         return self
 
     @property

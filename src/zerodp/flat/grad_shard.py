@@ -3,7 +3,8 @@
 A stage 0-2 gradient bucket and a stage-3 flat unit both hold one `GradShard`. As backward produces
 each parameter's gradient (a post-accumulate-grad hook), `add_grad` moves it into the flat full
 buffer and drops the parameter's own `.grad`. A reduction (`launch`, then `wait`) sums the full
-buffer over ranks, divides by the number of ranks and leaves this rank's slice in `shard`:
+buffer over ranks, divides by the number of ranks and leaves this rank's slice in `shard`; the dtypes
+and divisors are a `flat.grad_arithmetic.GradArithmetic`:
 
     IDLE --add_grad--> FILLING --launch--> REDUCING --wait--> REDUCED
       \\_______________launch______________/                     |
@@ -15,10 +16,12 @@ arrives after its shard's reduction (a weight used in two re-entrant checkpointe
 another rank had such a gradient (see `reduce_queue.ReduceQueue.finish`).
 
 Policy, not copies (`keep_full`):
-- keep_full=True (stages 0 and 1): the full buffer persists and accumulates over micro-steps; the
-  reduction runs in place and `shard` is a view of this rank's slice of it.
+- keep_full=True (stages 0 and 1): the full buffer persists and accumulates over micro-steps (in the
+  accumulation dtype); the reduction runs in place (or in a copy in the communication dtype, copied
+  back) and `shard` is a view of this rank's slice of it.
 - keep_full=False (stages 2 and 3): the full buffer exists only from a round's first gradient until
-  its reduction is waited on; the reduced slice is added into `shard`, a separate persistent tensor.
+  its reduction is waited on, in the communication dtype (as DeepSpeed's reduction bucket); the
+  reduced slice, cast to the accumulation dtype, is added into `shard`, a separate persistent tensor.
 How the sum is computed (all-reduce, reduce-scatter, which communicator and stream) is the
 `reduce` callable passed at construction.
 
@@ -32,16 +35,25 @@ offloaded] in offload/shard_store.py).
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from .. import comm
 from .buffer import FlatBuffer, alloc_storage, free_storage
+from .grad_arithmetic import GradArithmetic
 from .layout import FlatLayout
 
 # (output slice, full buffer, async_op) -> handle; sums `full` over ranks, this rank's slice in output
 ReduceFn = Callable[[torch.Tensor, torch.Tensor, bool], comm.Handle]
+
+
+class PendingReduce(NamedTuple):
+    """A launched reduction: its handle and the buffer it sums (the full buffer, or its copy in the
+    communication dtype, which must live until the handle is waited on)."""
+
+    handle: comm.Handle
+    sent: FlatBuffer
 
 
 class GradState(Enum):
@@ -62,28 +74,32 @@ _ALLOWED = {
 class GradShard:
     """The gradients of `params` (laid out by `layout`), and this rank's reduced slice of them."""
 
-    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, shard_index: int, world: int,
-                 reduce: ReduceFn, *, keep_full: bool, name: str = "", home=None) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, shard_index: int,
+                 arithmetic: GradArithmetic, reduce: ReduceFn, *, keep_full: bool, name: str = "",
+                 home=None) -> None:
         first = params[0]
         self.params = params
         self.layout = layout
         self.shard_index = shard_index
-        self.world = world            # the sum over ranks is divided by this
+        self.arithmetic = arithmetic  # dtypes and divisors of the reduction
+        self.world = arithmetic.world
         self.keep_full = keep_full
         self.name = name              # for error messages
         self._reduce = reduce
-        self.full = FlatBuffer(layout, first.dtype, first.device)
+        accum_dtype = arithmetic.accum_dtype_for(first.dtype)
+        self.comm_dtype = arithmetic.comm_dtype_for(first.dtype)
+        self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
         if keep_full:
             self.shard = self.full.shard(shard_index)
         else:
             free_storage(self.full.tensor)  # allocated per round, see _ensure_full
-            self.shard = torch.zeros(layout.shard_size(shard_index), dtype=first.dtype, device=first.device)
+            self.shard = torch.zeros(layout.shard_size(shard_index), dtype=accum_dtype, device=first.device)
         self.state = GradState.IDLE
         self.reported: set[int] = set()                               # parameters heard from this round
         self.received = torch.zeros(len(params), dtype=torch.bool)   # ... since the last optimizer step
         self.rounds_launched = 0                                      # reductions launched this micro-step
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
-        self._handle: Optional[comm.Handle] = None
+        self._pending: Optional[PendingReduce] = None
         self.home = home if not keep_full else None  # where `shard` lives between uses, or None
         self.sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
         if self.home is not None:
@@ -130,6 +146,7 @@ class GradShard:
         if self.state in (GradState.REDUCING, GradState.REDUCED):
             self._open_round()  # a late gradient: finish the round in flight, then open another one
         self._ensure_full()
+        # In the buffer's dtype: a bf16 gradient is added exactly into an fp32 buffer (type promotion)
         self.full.view(index).add_(p.grad)
         p.grad = None  # the shard holds it now; dropping .grad is what frees the per-parameter copy
         self.reported.add(index)
@@ -141,7 +158,9 @@ class GradShard:
         if self.state is GradState.REDUCED:
             self._open_round()  # another rank needs a further round; ours adds nothing new
         self._ensure_full()  # a rank without gradients takes part with zeros
-        self._handle = self._reduce(self.full.shard(self.shard_index), self.full.tensor, async_op)
+        send = self.arithmetic.to_send(self.full.tensor, self.comm_dtype)
+        sent = self.full if send is self.full.tensor else FlatBuffer(self.layout, send.dtype, send.device, send)
+        self._pending = PendingReduce(self._reduce(sent.shard(self.shard_index), sent.tensor, async_op), sent)
         self.rounds_launched += 1
         self._to(GradState.REDUCING)
 
@@ -149,12 +168,15 @@ class GradShard:
         """Finish the reduction in flight, if any: average over ranks into `shard`."""
         if self.state is not GradState.REDUCING:
             return
-        self._handle.wait()
-        self._handle = None
-        reduced = self.full.shard(self.shard_index)
-        # Sum across ranks, then divide: exact for two ranks in fp32, and what a single process
-        # computes on the global batch up to summation order.
-        reduced.div_(self.world)
+        pending, self._pending = self._pending, None
+        pending.handle.wait()
+        # Sum across ranks, then divide (by default): exact for two ranks in fp32, and what a single
+        # process computes on the global batch up to summation order.
+        reduced = self.arithmetic.finish(pending.sent.shard(self.shard_index))
+        if self.keep_full and pending.sent is not self.full:
+            reduced = self.shard.copy_(reduced)  # reduced in the communication dtype; the copy is dropped
+        elif not self.keep_full:
+            reduced = reduced.to(self.shard.dtype)  # cast first, then add: DeepSpeed's order of roundings
         self._deliver(reduced)
         self._to(GradState.REDUCED)
 

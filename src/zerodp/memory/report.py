@@ -72,6 +72,7 @@ def measure_memory(engine) -> MemoryReport:
         p.numel() * p.element_size() for p in engine.module.parameters() if id(p) not in in_units)
     precision = engine.precision
     elem = precision.param_dtype.itemsize
+    grad_elem = (precision.grad_accum_dtype or precision.param_dtype).itemsize  # data_types.grad_accum_dtype
     master = precision.master_dtype.itemsize if precision.mixed else 0
     user_members = members(engine.user_optimizer)
     whole = [u for u in units if u.layout.whole_tensors]
@@ -79,7 +80,7 @@ def measure_memory(engine) -> MemoryReport:
     k_values = {master + 4 * state_numel_per_param(m) for m in flat_members.values()}
     k = max(k_values) if k_values else master
     predicted = predict_model_state_bytes(numel, engine.world_size, engine.stage, param_bytes=elem,
-                                          grad_bytes=elem, optimizer_bytes=k)
+                                          grad_bytes=grad_elem, optimizer_bytes=k)
     owned = sum(seg.numel for u in units for seg in u.layout.segments(u.shard_index))
     if whole or len(k_values) > 1:  # per unit: the flat units' share, and the whole tensors this rank owns
         optimizer_predicted = 0
@@ -97,7 +98,7 @@ def measure_memory(engine) -> MemoryReport:
         # stage 3's whole-tensor shards hold exactly the tensors this rank owns (unequal shards, balanced
         # across units), so parameter and gradient shards follow ownership too, not Psi/N
         shard_numel = sum(u.layout.shard_size(u.shard_index) for u in units)
-        predicted = ModelStateBytes(elem * shard_numel, elem * shard_numel, predicted.optimizer)
+        predicted = ModelStateBytes(elem * shard_numel, grad_elem * shard_numel, predicted.optimizer)
     disk = disk_predicted = 0
     if engine.optimizer.offload is not None:  # offload: the elementwise state's host part, and disk bytes
         from ..offload.estimate import offload_report_bytes

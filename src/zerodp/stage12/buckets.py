@@ -22,6 +22,7 @@ import torch
 
 from .. import comm
 from ..flat.buffer import FlatBuffer
+from ..flat.grad_arithmetic import GradArithmetic
 from ..flat.grad_shard import GradShard
 from ..flat.whole_tensor_layout import layout_of
 
@@ -50,7 +51,8 @@ class GradBucket:
     """Flat parameter buffer and gradient shard of one communication unit (stages 0-2)."""
 
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, policy: ReducePolicy,
-                 process_group: comm.ProcessGroup, whole_tensors: bool = False) -> None:
+                 process_group: comm.ProcessGroup, whole_tensors: bool = False,
+                 arithmetic: Optional[GradArithmetic] = None) -> None:
         self.params = params
         self.group_index = group_index
         self.policy = policy
@@ -65,8 +67,8 @@ class GradBucket:
         for p, view in zip(params, self.param_buffer.views()):
             p.data = view  # the module now computes on the flat buffer; no copy at step time
         # Stages 0-1 keep the full gradient buffer across micro-steps; stage 2 only while reducing.
-        self.grads = GradShard(params, self.layout, self.shard_index, world, self._reduce,
-                               keep_full=not policy.shard_grads, name=f"bucket of group {group_index}")
+        self.grads = GradShard(params, self.layout, self.shard_index, arithmetic or GradArithmetic(world),
+                               self._reduce, keep_full=not policy.shard_grads, name=f"bucket of group {group_index}")
 
     def _reduce(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> comm.Handle:
         if not self.policy.shard_optimizer:
@@ -111,7 +113,7 @@ BALANCE_FACTOR = 4
 
 def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
                   process_group: comm.ProcessGroup, bucket_numel: int,
-                  whole: Optional[list[bool]] = None) -> list[GradBucket]:
+                  whole: Optional[list[bool]] = None, arithmetic: Optional[GradArithmetic] = None) -> list[GradBucket]:
     """Split each optimizer group's parameters into buckets of at most `bucket_numel` elements.
 
     Parameters are walked in reverse model order, which approximates the order in which backward
@@ -137,11 +139,11 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
         # the price of larger buckets (stage 2's temporary full-gradient buffer is one bucket).
         balanced = not whole[gi] or numel >= BALANCE_FACTOR * world * max((q.numel() for q in params), default=0)
         if params and numel + p.numel() > bucket_numel and balanced:
-            buckets.append(GradBucket(params, gi, policy, process_group, whole[gi]))
+            buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic))
             params, numel = [], 0
         open_[key] = (params + [p], numel + p.numel())
     for (gi, _, _), (params, _) in open_.items():
         if params:
-            buckets.append(GradBucket(params, gi, policy, process_group, whole[gi]))
+            buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic))
     return buckets
 

@@ -15,6 +15,7 @@ from torch import nn
 from .. import comm
 from ..config import ZeroConfig
 from ..errors import ConfigError
+from ..flat.grad_arithmetic import GradArithmetic
 from ..offload.build import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit
 from .hpz import build_secondary_group
@@ -29,11 +30,13 @@ from .wrap import choose_unit_modules, plan_units
 
 
 def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], config: ZeroConfig,
-                          process_group: comm.ProcessGroup, whole: Optional[list[bool]] = None) -> Stage3Sharding:
+                          process_group: comm.ProcessGroup, whole: Optional[list[bool]] = None,
+                          arithmetic: Optional[GradArithmetic] = None) -> Stage3Sharding:
     """Partition `model`'s parameters into units and hook its modules (see the module docstring).
 
     `groups` are the optimizer's param groups, trainable parameters only, in model order; `whole[g]`:
-    group g's units give each rank whole tensors (flat/whole_tensor_layout.py).
+    group g's units give each rank whole tensors (flat/whole_tensor_layout.py); `arithmetic`: the dtypes and
+    divisors of every unit's gradient reduction (None: averaged in the parameters' dtype).
     """
     whole = whole or [False] * len(groups)
     zero = config.zero_optimization
@@ -82,7 +85,7 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
             flat = FlatUnit(ps, ns, group_index, shards, index=len(flats), module_name=plan.name or "<root>",
                             trainable=group_index >= 0, persistent=persistent,
                             whole_tensors=group_index >= 0 and whole[group_index], owner_loads=owner_loads,
-                            param_home=param_home, grad_home=grad_home)
+                            param_home=param_home, grad_home=grad_home, arithmetic=arithmetic)
             if flat.layout.whole_tensors:
                 owner_loads = flat.layout.loads_after
             flats.append(flat)

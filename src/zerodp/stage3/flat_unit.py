@@ -4,7 +4,7 @@ A `FlatUnit` lays its parameters out in a padded flat buffer (`flat.layout.FlatL
 only this rank's slice persistently:
 
     param_shard  shard_numel elements, param dtype   the real storage of this rank's parameters
-    grad_shard   shard_numel elements, param dtype   reduced, rank-averaged gradient, accumulated
+    grad_shard   shard_numel elements, accum dtype   reduced, rank-averaged gradient, accumulated
                  (whole-tensor units: shard_size(rank), the tensors this rank owns, no padding)
     gathered     padded_numel elements               allocated only while the unit is gathered
     grad_full    padded_numel elements               allocated only between a unit's first
@@ -39,6 +39,7 @@ from torch import nn
 
 from .. import comm
 from ..flat.buffer import FlatBuffer, free_storage
+from ..flat.grad_arithmetic import GradArithmetic
 from ..flat.grad_shard import GradShard
 from ..flat.whole_tensor_layout import layout_of
 from .inference_cache import Residency
@@ -57,7 +58,8 @@ class FlatUnit:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int, shards: ShardGroup, *,
                  index: int, module_name: str, trainable: bool, persistent: bool,
-                 whole_tensors: bool = False, owner_loads=None, param_home=None, grad_home=None) -> None:
+                 whole_tensors: bool = False, owner_loads=None, param_home=None, grad_home=None,
+                 arithmetic: Optional[GradArithmetic] = None) -> None:
         if not params:
             raise ValueError("a FlatUnit needs at least one parameter")
         self.params = params
@@ -94,8 +96,9 @@ class FlatUnit:
         # Frozen units have no gradient storage at all; a sharded unit's may live in `grad_home` (an
         # offload.ShardStore, see [Note: gradient shards offloaded]) between uses.
         self.grads: Optional[GradShard] = GradShard(
-            params, self.layout, self.shard_index, shards.data_parallel_world, self._reduce, keep_full=False,
-            name=f"{module_name}[{index}]", home=None if persistent or whole_tensors else grad_home) if trainable else None
+            params, self.layout, self.shard_index, arithmetic or GradArithmetic(shards.data_parallel_world),
+            self._reduce, keep_full=False, name=f"{module_name}[{index}]",
+            home=None if persistent or whole_tensors else grad_home) if trainable else None
         self._gather_handle = None
         self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: see [Note: secondary shards]
         # offload_param: an offload.ShardStore that param_shard's storage lives in between uses, or None
