@@ -35,6 +35,8 @@ MODES = {
     "qgZ": ({"stage": 3, "zero_quantized_gradients": True}, "2 + 0.129 = 2.13 / 0"),
     "ZeRO++ (all three)": ({"stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
                             "zero_quantized_gradients": True}, "0.254 + 0.129 = 0.38 / 1"),
+    # blocks of 2 = one node: gathers and reduce-scatters inside; the replicas all-reduce Psi/2 each (volume x2)
+    "MiCS / HSDP (2 per block)": ({"stage": 3, "mics_shard_size": 2}, "2 x 1/2 = 1 / 3"),
 }
 RECORDED_STEPS = 2
 
@@ -100,6 +102,7 @@ def run_mode(mode: str) -> list[dict]:
 
 
 def table(results: dict) -> str:
+    results = {mode: results[mode] for mode in MODES if mode in results}  # in MODES's order
     base = max(r["inter"] for r in results["ZeRO-3"])
     numel = results["ZeRO-3"][0]["numel"]
     lines = ["| mode | inter-node MiB/step/rank | intra-node MiB/step/rank | inter-node bytes/param | x ZeRO-3 inter "
@@ -116,11 +119,14 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--modes", nargs="*", default=list(MODES))
     parser.add_argument("--out", default=None, help="write the markdown table (and the per-tag json beside it)")
+    parser.add_argument("--merge", action="store_true", help="keep the other modes' results already in --out's json")
     ns = parser.parse_args(argv)
     if ns.worker:
         worker(*ns.worker)
         return 0
     results = {}
+    if ns.merge and ns.out and Path(ns.out).with_suffix(".json").exists():
+        results = json.loads(Path(ns.out).with_suffix(".json").read_text())
     for mode in ns.modes:
         results[mode] = run_mode(mode)
         print(f"{mode}: inter {results[mode][0]['inter'] / 2**20:.1f} MiB, intra {results[mode][0]['intra'] / 2**20:.1f} "
