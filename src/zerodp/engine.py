@@ -66,6 +66,9 @@ class ZeroEngine:
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = \
             config.resolve_batch(self.world_size)
         self.precision = PrecisionPolicy.from_config(config)
+        # forward() casts floating inputs to the compute dtype under bf16/fp16; zerodp.deepspeed turns this
+        # off where DeepSpeed does not cast (bf16, fp16 without auto_cast): an fp32 input then stays fp32
+        self.cast_inputs = True
         self.scaler = LossScaler.from_config(config)
         self.global_step = 0
         self.micro_step = 0
@@ -121,7 +124,7 @@ class ZeroEngine:
 
     def forward(self, *args, **kwargs):
         """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
-        if self.precision.mixed:
+        if self.precision.mixed and self.cast_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
         watchdog.activity.enter("forward")
         self.monitor.before_forward(self.global_step)

@@ -105,11 +105,15 @@ class ModuleUnit:
         self.state = state
 
     def register_hooks(self) -> None:
+        # torch.compiler.disable: under `module.compile()` (engine.compile) dynamo would trace the hooks,
+        # whose state machine and storage swaps it cannot capture; they run eagerly between compiled
+        # graphs (a graph break at each unit, as DeepSpeed's stage-3 hooks do)
         # prepend: gather before any user pre-hook that might read the parameters (weight norm)
-        self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True,
-                                                                   prepend=True))
+        self._handles.append(self.module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward),
+                                                                   with_kwargs=True, prepend=True))
         # always_call: release even when the forward raised
-        self._handles.append(self.module.register_forward_hook(self._post_forward, always_call=True))
+        self._handles.append(self.module.register_forward_hook(torch.compiler.disable(self._post_forward),
+                                                               always_call=True))
 
     def remove_hooks(self) -> None:
         for h in self._handles:
