@@ -32,8 +32,11 @@ DeepSpeed's examples/; transformers' and accelerate's integrations add the last 
     deepspeed.runtime.utils: set_random_seed, see_memory_usage 1  runtime/utils.py
     deepspeed.runtime.zero.partition_parameters.ZeroParamStatus 2 runtime/zero/ (the enum; zerodp's
                                                                    parameters carry no ds_status)
+    deepspeed.runtime.zero.offload_config: OffloadDeviceEnum,  1  runtime/zero/offload_config.py;
+      OffloadStateTypeEnum; engine.offload_states/reload_states   engine.py (CPU: nothing to move)
+    engine.compile()                                           1  engine.py (module.compile)
     not provided (import fails naming the module): deepspeed.pipe, ops.sparse_attention,
-      DeepSpeedTransformerLayer, module_inject, runtime.zero.offload_config, runtime.data_pipeline,
+      DeepSpeedTransformerLayer, module_inject, runtime.data_pipeline,
       compression, comm.mori, ops.lion, ops.adagrad, checkpoint.utils, init_inference, tp_model_init
 
 This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config.compat`), the
