@@ -258,6 +258,12 @@ class ZeroEngine:
         """The learning rate of each optimizer param group."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def compile(self, **compile_kwargs) -> None:
+        """`torch.compile` the model in place (`module.compile(**compile_kwargs)`); stage 3's gather hooks are
+        re-registered to run eagerly between the compiled graphs."""
+        self.sharding.prepare_for_compile()
+        self.module.compile(**compile_kwargs)
+
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
         if mode:

@@ -24,7 +24,8 @@ def _adapter(model: torch.nn.Module) -> DeepSpeedEngine:
     inner.step()  # Adam's state (exp_avg, exp_avg_sq) now exists, on the parameters' device
     closed = []
     zero = SimpleNamespace(module=model, optimizer=SimpleNamespace(optimizer=inner), lr_scheduler=None,
-                           close=lambda: closed.append(True), closed=closed)
+                           close=lambda: closed.append(True), closed=closed,
+                           compile=lambda **kwargs: model.compile(**kwargs))  # ZeroEngine.compile, stages 0-2
     return DeepSpeedEngine(zero)
 
 

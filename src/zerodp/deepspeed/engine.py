@@ -115,7 +115,7 @@ class DeepSpeedEngine:
                               "DeepCompile, which zerodp does not implement; call engine.compile() without them")
         if self.__dict__.get("_is_compiled", False):
             return
-        self.module.compile(**{**(compile_kwargs or {}), "backend": backend})
+        self.engine.compile(**{**(compile_kwargs or {}), "backend": backend})
         self.__dict__["_is_compiled"] = True
 
     @property
