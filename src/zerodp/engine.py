@@ -50,7 +50,7 @@ class ZeroEngine:
     """A model trained with ZeRO. Create it with `zerodp.initialize`."""
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig,
-                 process_group: comm.ProcessGroup = None) -> None:
+                 process_group: comm.ProcessGroup = None, cast_inputs: bool = True) -> None:
         self.module = model
         self.config = config
         self.process_group = process_group
@@ -68,7 +68,7 @@ class ZeroEngine:
         self.precision = PrecisionPolicy.from_config(config)
         # forward() casts floating inputs to the compute dtype under bf16/fp16; zerodp.deepspeed turns this
         # off where DeepSpeed does not cast (bf16, fp16 without auto_cast): an fp32 input then stays fp32
-        self.cast_inputs = True
+        self.cast_inputs = cast_inputs
         self.scaler = LossScaler.from_config(config)
         self.global_step = 0
         self.micro_step = 0

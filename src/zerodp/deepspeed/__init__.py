@@ -195,8 +195,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         cfg = cfg.model_copy(update={"optimizer": None})
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")
-    zero_engine = ZeroEngine(model, optimizer, cfg)
-    zero_engine.cast_inputs = _casts_inputs(source)
-    engine = DeepSpeedEngine(zero_engine, lr_scheduler=lr_scheduler)
+    engine = DeepSpeedEngine(ZeroEngine(model, optimizer, cfg, cast_inputs=_casts_inputs(source)),
+                             lr_scheduler=lr_scheduler)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler
