@@ -51,7 +51,7 @@ class ZeroEngine:
     """A model trained with ZeRO. Create it with `zerodp.initialize`."""
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig,
-                 process_group: comm.ProcessGroup = None) -> None:
+                 process_group: comm.ProcessGroup = None, cast_inputs: bool = True) -> None:
         self.module = model
         self.config = config
         self.process_group = process_group
@@ -67,6 +67,9 @@ class ZeroEngine:
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = \
             config.resolve_batch(self.world_size)
         self.precision = PrecisionPolicy.from_config(config)
+        # forward() casts floating inputs to the compute dtype under bf16/fp16; zerodp.deepspeed turns this
+        # off where DeepSpeed does not cast (bf16, fp16 without auto_cast): an fp32 input then stays fp32
+        self.cast_inputs = cast_inputs
         self.scaler = LossScaler.from_config(config)
         self.global_step = 0
         self.micro_step = 0
@@ -127,7 +130,7 @@ class ZeroEngine:
 
     def forward(self, *args, **kwargs):
         """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
-        if self.precision.mixed:
+        if self.precision.mixed and self.cast_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
         watchdog.activity.enter("forward")
         self.monitor.before_forward(self.global_step)
@@ -260,6 +263,12 @@ class ZeroEngine:
     def get_lr(self) -> list[float]:
         """The learning rate of each optimizer param group."""
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    def compile(self, **compile_kwargs) -> None:
+        """`torch.compile` the model in place (`module.compile(**compile_kwargs)`); stage 3's gather hooks are
+        re-registered to run eagerly between the compiled graphs."""
+        self.sharding.prepare_for_compile()
+        self.module.compile(**compile_kwargs)
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)

@@ -68,6 +68,8 @@ class ShardingStrategy(Protocol):
 
     def take_written_units(self) -> list[ShardedUnit]: ...  # shards written outside the optimizer
 
+    def prepare_for_compile(self) -> None: ...  # its module hooks must run eagerly under torch.compile
+
     def close(self) -> None: ...  # remove hooks, registry entries and communicators it created
 
 

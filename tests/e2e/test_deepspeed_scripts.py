@@ -3,13 +3,17 @@ byte-identical copies in tests/e2e/deepspeed_scripts/ (SOURCES.md), run unchange
 gloo ranks through `python -m zerodp.deepspeed.run`, and their per-rank losses equal those real DeepSpeed
 0.19.8 produced for the same command (recorded by deepspeed_scripts/record_deepspeed.py).
 
+One script stops on its own, on DeepSpeed too: DeepSpeedExamples' offload_states.py asserts that
+`engine.offload_states()` lowers the memory in use, which on a CPU run (where states already live in CPU
+memory) it cannot; the test checks that zerodp stops at that same assertion after DeepSpeed's losses.
+
 One case is compared with plain PyTorch instead: the GPT in bf16 with lr 0, whose every loss must be
 plain PyTorch's bf16 forward of the initial weights, bitwise (DeepSpeed's own bf16 losses are not: see
 `assert_losses_match`).
 
-The default suite runs three cases (CIFAR fp32 at stage 3, the ZeRO-3 GPT with its published bf16
-config and with lr 0), about 35 s on 2 idle cores; every case (CIFAR at stages 0-3 and in bf16, the GPT
-in fp32 too):
+The default suite runs four cases (CIFAR fp32 at stage 3, the ZeRO-3 GPT with its published bf16
+config and with lr 0, offload_states in fp32), about 45 s on 2 idle cores; every case (CIFAR at stages
+0-3 and in bf16, the GPT in fp32, torch.compile at stages 2 and 3, offload_states in bf16):
 
     ZERODP_ALL_SCRIPT_STAGES=1 python -m pytest tests/e2e/test_deepspeed_scripts.py
 """
@@ -39,6 +43,10 @@ def _bf16_ulp(x: float) -> float:
 
 def assert_losses_match(case, got: list, want: list) -> None:
     assert len(got) == len(want) > 0, f"{case.name}: {len(got)} losses, DeepSpeed recorded {len(want)}"
+    if case.loss_abs_tol is not None:  # bf16 weights, fp32 losses: the reason is at the case (cases.py)
+        assert got[0] == want[0], f"{case.name}: first loss {got[0]} != DeepSpeed's {want[0]}"
+        assert got == pytest.approx(want, rel=0, abs=case.loss_abs_tol), case.name
+        return
     if not case.bf16:
         # fp32: the same operations in the same order as DeepSpeed except the gradient reduction (DeepSpeed
         # reduces bucket by bucket); observed: at most 2.1e-7 relative (CIFAR, 8 steps), 1.1e-7 (the GPT).
@@ -90,7 +98,10 @@ def test_deepspeed_script_losses_equal_deepspeed(tmp_path, case):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            "29741", "-m", "zerodp.deepspeed.run", *command_args(case, tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    if case.expect_error:  # the script's own check stops it where it stops DeepSpeed 0.19.8 (cases.py)
+        assert proc.returncode != 0 and case.expect_error in proc.stderr, f"exit {proc.returncode}\n{proc.stderr[-5000:]}"
+    else:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     for rank in range(2):
         got = json.loads((tmp_path / f"losses_rank{rank}.json").read_text())
         if case.reference == "plain":
@@ -103,15 +114,3 @@ def test_deepspeed_loss_reference_names_its_version():
     meta = json.loads(EXPECTED.read_text())["_recorded_with"]
     assert meta["deepspeed"] == "0.19.8" and meta["nproc_per_node"] == 2
     assert {c.name for c in CASES if c.reference == "deepspeed"} <= set(json.loads(EXPECTED.read_text()))
-
-
-def test_script_needing_a_missing_module_stops_with_one_line(tmp_path):
-    """DeepSpeedExamples' offload_states.py imports deepspeed.runtime.zero.offload_config (engine.offload_states,
-    not in zerodp): it stops at that import with one line naming it, before any work."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(SRC))
-    proc = subprocess.run([sys.executable, "-m", "zerodp.deepspeed.run", str(SHIM.parent / "offload_states.py")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "ModuleNotFoundError: deepspeed.runtime.zero.offload_config is not provided by zerodp.deepspeed (see the "
-        "README's 'Switching from DeepSpeed' for the modules covered)")

@@ -45,12 +45,18 @@ def test_yaml_file(tmp_path):
     ({"gradient_clipping": -1}, "gradient_clipping: Input should be greater than or equal to 0"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer needs stage 1, 2 or 3"),
-    ({"zero_optimization": {"contiguous_gradients": False}}, "contiguous_gradients=false is not supported"),
 ])
 def test_bad_keys_and_values_name_the_problem(bad, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(bad)
     assert fragment in str(err.value)
+
+
+def test_contiguous_gradients_false_is_accepted_with_a_warning():
+    """DeepSpeed's false keeps gradients in separate tensors (same values); zerodp's buckets are always contiguous."""
+    with pytest.warns(UserWarning, match="contiguous_gradients=false has no effect"):
+        cfg = load_config({"zero_optimization": {"stage": 2, "contiguous_gradients": False}})
+    assert cfg.zero_optimization.contiguous_gradients is False
 
 
 def test_missing_file_and_bad_suffix(tmp_path):

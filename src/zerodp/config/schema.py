@@ -72,7 +72,9 @@ class ZeroOptimizationConfig(StrictModel):
                                "asynchronously during backward; false waits for each reduction before backward "
                                "continues.")
     contiguous_gradients: bool = Field(True, description="Copy gradients into contiguous buckets as they are "
-                                       "produced. zerodp always does; false is refused.")
+                                       "produced. zerodp always does; false (DeepSpeed: keep each gradient in "
+                                       "its own tensor, a memory-fragmentation trade-off with the same numbers) "
+                                       "is accepted with a warning that it changes nothing.")
     reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter (stages 1-3); false "
                                  "uses all-reduce and keeps this rank's shard.")
     stage3_prefetch_bucket_size: Optional[int] = Field(None, ge=0, description="Stage 3: elements gathered "
@@ -135,8 +137,11 @@ class ZeroOptimizationConfig(StrictModel):
     @model_validator(mode="after")
     def _check_honourable(self) -> "ZeroOptimizationConfig":
         if not self.contiguous_gradients:
-            raise ValueError("contiguous_gradients=false is not supported: zerodp always reduces contiguous "
-                             "buckets (it costs no extra memory); remove the key or set it to true")
+            # DeepSpeed's false only changes where gradients wait before their reduction, never their values;
+            # published configs set it (DeepSpeed's tests/torch_compile), so it is accepted, not honoured
+            warnings.warn("zero_optimization.contiguous_gradients=false has no effect: zerodp always copies "
+                          "gradients into contiguous buckets (same values, no extra memory)", UserWarning,
+                          stacklevel=2)
         check_stage(self.stage, self.offload_optimizer, self.offload_param)
         for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size", "mics_shard_size"):
             if self.stage < 3 and getattr(self, key) not in (False, 0, 1, -1):  # DeepSpeed applies ZeRO++ to stage 3 only, and ignores it below

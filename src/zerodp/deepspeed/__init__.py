@@ -32,8 +32,11 @@ DeepSpeed's examples/; transformers' and accelerate's integrations add the last 
     deepspeed.runtime.utils: set_random_seed, see_memory_usage 1  runtime/utils.py
     deepspeed.runtime.zero.partition_parameters.ZeroParamStatus 2 runtime/zero/ (the enum; zerodp's
                                                                    parameters carry no ds_status)
+    deepspeed.runtime.zero.offload_config: OffloadDeviceEnum,  1  runtime/zero/offload_config.py;
+      OffloadStateTypeEnum; engine.offload_states/reload_states   engine.py (CPU: nothing to move)
+    engine.compile()                                           1  engine.py (module.compile)
     not provided (import fails naming the module): deepspeed.pipe, ops.sparse_attention,
-      DeepSpeedTransformerLayer, module_inject, runtime.zero.offload_config, runtime.data_pipeline,
+      DeepSpeedTransformerLayer, module_inject, runtime.data_pipeline,
       compression, comm.mori, ops.lion, ops.adagrad, checkpoint.utils, init_inference, tp_model_init
 
 This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config.compat`), the
@@ -49,6 +52,9 @@ Where zerodp differs from DeepSpeed on purpose (the engine's differences are in 
     on a build without NCCL; zerodp keeps the entries torch has, so the script runs on CPU.
   - `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` return torch optimizers (the same update), so
     `isinstance(opt, FusedAdam)` does not work; there is no CPU-offloaded step.
+  - inputs: zerodp's own engine casts floating inputs to the compute dtype; through this adapter they are
+    cast only where DeepSpeed casts them (fp16 with `auto_cast: true`), so an fp32 tensor a bf16 model adds
+    to its activations promotes the result to fp32 as in DeepSpeed.
   - `get_accelerator().device_count()` on CPU is LOCAL_SIZE or 1 (DeepSpeed counts NUMA nodes).
 """
 
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -147,6 +154,17 @@ def _config_source(args, config, config_params):
     return source
 
 
+def _casts_inputs(source) -> bool:
+    """DeepSpeed's engine casts floating inputs only under fp16 with `auto_cast: true`; never under bf16 or
+    fp32 (an fp32 input added to a bf16 activation then promotes the result to fp32)."""
+    raw = source
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else {}
+    fp16 = raw.get("fp16", {}) if isinstance(raw, dict) else {}
+    return bool(isinstance(fp16, dict) and fp16.get("enabled") is True and fp16.get("auto_cast") is True)
+
+
 def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = None, model_parameters=None,
                training_data=None, lr_scheduler: Any = None, config=None, config_params=None,
                dist_init_required: Optional[bool] = None, collate_fn: Optional[Callable] = None,
@@ -160,7 +178,8 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         raise ConfigError("mpu (model parallelism) is not supported by zerodp; zerodp is data parallel only")
     if dist_init_required is not False:
         init_distributed()
-    cfg = load_config(_config_source(args, config, config_params))
+    source = _config_source(args, config, config_params)
+    cfg = load_config(source)
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
         # DeepSpeed builds the config's optimizer over model_parameters (which may be param groups)
         if isinstance(cfg.optimizer, list) or cfg.optimizer.select is not None:
@@ -176,6 +195,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         cfg = cfg.model_copy(update={"optimizer": None})
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")
-    engine = DeepSpeedEngine(ZeroEngine(model, optimizer, cfg), lr_scheduler=lr_scheduler)
+    engine = DeepSpeedEngine(ZeroEngine(model, optimizer, cfg, cast_inputs=_casts_inputs(source)),
+                             lr_scheduler=lr_scheduler)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler

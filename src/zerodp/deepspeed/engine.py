@@ -6,7 +6,13 @@ Differences from DeepSpeed, on purpose, all in one place:
   - `save_16bit_model` works at every stage, also without `stage3_gather_16bit_weights_on_model_save`
     (DeepSpeed saves nothing at stage 3 without it); a `.safetensors` name writes safetensors, any
     other name `torch.save`s the state dict, as DeepSpeed does;
-  - `load_optimizer_states=False` and `load_module_only=True` are refused (not implemented).
+  - `load_optimizer_states=False` and `load_module_only=True` are refused (not implemented);
+  - `offload_states(device=cpu)` / `reload_states()`: on a CPU run every state already lives in CPU memory,
+    so both move nothing and free nothing (DeepSpeed 0.19.8 with DS_ACCELERATOR=cpu frees nothing either:
+    its process RSS does not drop); states on a GPU are refused (moving them is not implemented; the config's
+    offload_optimizer / offload_param keep them in CPU memory for the whole run instead);
+  - `destroy()` is zerodp's `close()`: hooks and buffers are released, and so is the process group if
+    zerodp created it (DeepSpeed keeps the group), so call it last.
 """
 
 from __future__ import annotations
@@ -99,6 +105,23 @@ class DeepSpeedEngine:
     def zero_grad(self) -> None:
         """Gradients are zeroed by step() at each boundary; nothing to do (as with DeepSpeed's engine)."""
 
+    def compile(self, backend: str = "inductor", compile_kwargs: Optional[dict] = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """`torch.compile` the model in place (`module.compile(backend=..., **compile_kwargs)`), as DeepSpeed's
+        engine does without DeepCompile; zerodp's stage-3 gathers stay eager hooks around the compiled code.
+        A second call is a no-op. DeepCompile's `schedule` and compiled autograd are refused."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise ConfigError("engine.compile(schedule=..., compiled_autograd_enabled=True) belongs to DeepSpeed's "
+                              "DeepCompile, which zerodp does not implement; call engine.compile() without them")
+        if self.__dict__.get("_is_compiled", False):
+            return
+        self.engine.compile(**{**(compile_kwargs or {}), "backend": backend})
+        self.__dict__["_is_compiled"] = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.__dict__.get("_is_compiled", False)
+
     # -- attributes and figures ----------------------------------------------------------------------
     @property
     def module(self) -> torch.nn.Module:
@@ -184,6 +207,41 @@ class DeepSpeedEngine:
     def __getattr__(self, name: str):
         # anything else zerodp's engine has (memory_report, full_state_dict, timings, ...)
         return getattr(self.__dict__["engine"], name)
+
+    # -- states between devices ------------------------------------------------------------------------
+    def _state_devices(self) -> set:
+        """The devices holding the model's parameters and buffers and the optimizer's state."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        inner = getattr(self.optimizer, "optimizer", None)
+        for state in (getattr(inner, "state", None) or {}).values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        return {t.device.type for t in tensors}
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """DeepSpeed's `offload_states`: move the engine's states (`include`: OffloadStateTypeEnum members, all if
+        None) to CPU memory until `reload_states()`. zerodp runs them where they already are: on a CPU run
+        this moves nothing (see the module docstring); GPU-resident states are refused."""
+        from .runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+        for state in include or ():
+            OffloadStateTypeEnum(state)  # DeepSpeed's names only: a typo fails here, naming the value
+        target = OffloadDeviceEnum(device)
+        if target is OffloadDeviceEnum.nvme:
+            raise ValueError("offload_states(device=nvme): NVMe is not supported for offloading states (as in "
+                             "DeepSpeed); pass OffloadDeviceEnum.cpu")
+        on_device = self._state_devices() - {"cpu"}
+        if target is OffloadDeviceEnum.cpu and on_device:
+            raise NotImplementedError(f"engine.offload_states: moving states from {sorted(on_device)} to CPU memory "
+                                      f"between steps is not implemented in zerodp; keep them in CPU memory for the "
+                                      f"whole run with zero_optimization.offload_optimizer / offload_param")
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring offloaded states back to the training device: on a CPU run they never left (nothing to do);
+        GPU-resident states could not have been offloaded (offload_states refuses them)."""
+
+    def destroy(self) -> None:
+        """DeepSpeed's end-of-run release: zerodp's `close()` (see the module docstring)."""
+        self.engine.close()
 
     # -- data ------------------------------------------------------------------------------------------
     def deepspeed_io(self, dataset, batch_size: Optional[int] = None, route=None, pin_memory: bool = True,

@@ -86,6 +86,9 @@ class GradReducer:
         """None: stage 0-2 shards are only written by the optimizer step (and checkpoint loads)."""
         return []
 
+    def prepare_for_compile(self) -> None:
+        """Nothing: stages 0-2 hook only gradients (autograd hooks, outside the compiled forward)."""
+
     def close(self) -> None:
         """Remove the gradient hooks construction installed (idempotent)."""
         for h in self._hooks:

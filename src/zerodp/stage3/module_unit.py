@@ -104,12 +104,17 @@ class ModuleUnit:
                                f"{state.name}")
         self.state = state
 
-    def register_hooks(self) -> None:
+    def register_hooks(self, eager_under_compile: bool = False) -> None:
+        pre, post = self._pre_forward, self._post_forward
+        if eager_under_compile:
+            # under `module.compile()` (engine.compile) dynamo would trace the hooks, whose state machine and
+            # storage swaps it cannot capture: they run eagerly between compiled graphs (a graph break at
+            # each unit, as DeepSpeed's stage-3 hooks). Only then: torch.compiler.disable imports dynamo (s).
+            pre, post = torch.compiler.disable(pre), torch.compiler.disable(post)
         # prepend: gather before any user pre-hook that might read the parameters (weight norm)
-        self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True,
-                                                                   prepend=True))
+        self._handles.append(self.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
         # always_call: release even when the forward raised
-        self._handles.append(self.module.register_forward_hook(self._post_forward, always_call=True))
+        self._handles.append(self.module.register_forward_hook(post, always_call=True))
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -201,6 +201,13 @@ class Stage3Sharding:
     def reset_peak(self) -> None:
         self.shards.peak_live_numel = self.shards.live_numel
 
+    def prepare_for_compile(self) -> None:
+        """Re-register every module unit's forward hooks so that they run eagerly between torch.compile'd
+        graphs (torch.compiler.disable): dynamo cannot trace their state machine and storage swaps."""
+        for mu in self.module_units:
+            mu.remove_hooks()
+            mu.register_hooks(eager_under_compile=True)
+
     def close(self) -> None:
         """Undo what construction installed: hooks, the parameter registry's entries, the reduction
         communicator. Idempotent; the model's parameters stay sharded (the engine cannot train after)."""

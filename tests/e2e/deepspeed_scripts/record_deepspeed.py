@@ -1,6 +1,8 @@
 """Record real DeepSpeed's losses for every case in cases.py into expected_deepspeed.json.
 
-    cd tests/e2e/deepspeed_scripts && /work/main/bench/.venv/bin/python record_deepspeed.py
+    cd tests/e2e/deepspeed_scripts && /work/main/bench/.venv/bin/python record_deepspeed.py [CASE ...]
+
+(with case names: records only those, keeping the other recorded cases of expected_deepspeed.json)
 
 Runs each case under torchrun on 2 gloo ranks with DS_ACCELERATOR=cpu in the bench venv (DeepSpeed 0.19.8),
 the shim on PYTHONPATH (synthetic CIFAR10, SEED_AT_START, the loss recorder; it also drops the
@@ -22,17 +24,25 @@ import torch
 from cases import CASES, EXPECTED, SEED, SHIM, command_args
 
 
-def main() -> None:
-    results = {"_recorded_with": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                                  "DS_ACCELERATOR": "cpu", "nproc_per_node": 2, "SEED_AT_START": SEED}}
-    for case in (c for c in CASES if c.reference == "deepspeed"):
+def main(names: list) -> None:
+    meta = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "DS_ACCELERATOR": "cpu",
+            "nproc_per_node": 2, "SEED_AT_START": SEED}
+    results = json.loads(EXPECTED.read_text()) if names else {}
+    if names and results.get("_recorded_with") != meta:
+        raise SystemExit(f"{EXPECTED.name} was recorded with {results.get('_recorded_with')}, not {meta}: record all")
+    results["_recorded_with"] = meta
+    unknown = set(names) - {c.name for c in CASES}
+    if unknown:
+        raise SystemExit(f"no such cases: {sorted(unknown)}")
+    for case in (c for c in CASES if c.reference == "deepspeed" and (not names or c.name in names)):
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(SHIM), SEED_AT_START=str(SEED),
                        RECORD_ENGINE="deepspeed", RECORD_LOSSES=tmp, OMP_NUM_THREADS="1")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
                    *command_args(case, Path(tmp))]
             proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
+            stopped_as_expected = case.expect_error and case.expect_error in proc.stderr
+            if (proc.returncode != 0) != bool(stopped_as_expected):
                 raise SystemExit(f"{case.name}: DeepSpeed failed\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             results[case.name] = [json.loads((Path(tmp) / f"losses_rank{r}.json").read_text()) for r in range(2)]
             print(case.name, results[case.name], flush=True)
@@ -40,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,5 +1,6 @@
-"""`deepspeed.runtime.zero`: the names scripts import from it (`partition_parameters.ZeroParamStatus`)."""
+"""`deepspeed.runtime.zero`: the names scripts import from it (`partition_parameters.ZeroParamStatus`,
+`offload_config.OffloadDeviceEnum` / `OffloadStateTypeEnum`)."""
 
-from . import partition_parameters
+from . import offload_config, partition_parameters
 
-__all__ = ["partition_parameters"]
+__all__ = ["offload_config", "partition_parameters"]
