@@ -97,8 +97,7 @@ class ZeroEngine:
         self._broadcast_module_state()
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
-        # DeepSpeed's communication_data_type, data_types.grad_accum_dtype, prescale_gradients and
-        # gradient_predivide_factor: one arithmetic for every stage's reductions (flat/grad_arithmetic.py)
+        # communication/accumulation dtypes, pre/post divisors: one arithmetic for all stages (flat/grad_arithmetic.py)
         arithmetic = GradArithmetic(self.world_size, self.precision.grad_accum_dtype, self.precision.reduce_dtype,
                                     config.gradient_predivide_factor, config.prescale_gradients)
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
