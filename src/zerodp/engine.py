@@ -391,8 +391,7 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
                process_group: comm.ProcessGroup = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training as `config` says; see the README's quick start."""
     if optimizer is None:  # a VISSL file builds VISSL's param groups, which needs the model
-        from .config.vissl import vissl_initialize_args
-
+        from .optim.vissl_params import vissl_initialize_args
         optimizer, config = vissl_initialize_args(model, config)
     config = load_config(config)
     watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it

@@ -13,7 +13,7 @@ import zerodp
 from zerodp.config import ConfigError, load_config
 from zerodp.config_vissl import load_vissl
 from zerodp.config.vissl_defaults import VISSL_DEFAULTS
-from zerodp.config.vissl_params import vissl_param_groups
+from zerodp.optim.vissl_params import vissl_optimizer, vissl_param_groups
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vissl"
 SWAV, SIMCLR = CONFIGS / "swav_8node_resnet.yaml", CONFIGS / "simclr_8node_resnet.yaml"
@@ -66,7 +66,7 @@ def test_swav_optimizer_larc_groups_and_schedule():
     # 0.3 x 512/256) over 2.5% of training, then cosine (on the global fraction, 'fixed') down to 0.0048.
     steps_per_epoch = 10
     model = TinyNet()
-    optimizer = setup.build_optimizer(model)
+    optimizer = vissl_optimizer(setup, model)
     schedule = setup.lr_schedule(optimizer, steps_per_epoch)
     total = 400 * steps_per_epoch
     assert schedule.lr_at(0) == pytest.approx(0.6)
@@ -96,7 +96,7 @@ def test_param_groups_follow_vissl_regularize_rules():
                                       id(model.class_token)}
     # the fine-tuning file: regularize_bn False, weight decay 0, nesterov, multistep by epoch
     setup = load_vissl(FULLTUNE)
-    optimizer = setup.build_optimizer(model)
+    optimizer = vissl_optimizer(setup, model)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.0]
     assert len(optimizer.param_groups[1]["params"]) == 4
     assert optimizer.defaults["nesterov"] is True and optimizer.defaults["momentum"] == 0.9
@@ -182,9 +182,7 @@ def test_errors_name_the_key_and_fix(tmp_path):
     path = tmp_path / "swav.yaml"
     path.write_text(SWAV.read_text())
     with pytest.raises(ConfigError, match="steps_per_epoch"):
-        from zerodp.config_vissl import vissl_initialize_args
-
-        vissl_initialize_args(TinyNet(), str(path))
+        zerodp.initialize(TinyNet(), None, str(path))
     # load_config (no model) gives one group at the schedule's first lr
     cfg = load_config(path)
     assert cfg.optimizer.params["lr"] == pytest.approx(0.6) and cfg.fp16.enabled

@@ -22,10 +22,10 @@ from .compat import normalize
 from .precision import DTYPE_NAMES, BF16Config, DataTypesConfig, FP16Config, GradDtype, dtype_name  # noqa: F401
 from .strict import _NOT_SUPPORTED, StrictModel  # noqa: F401 (_NOT_SUPPORTED: the docs render it)
 
-from ..offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
+from .offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
 
 from ..errors import ConfigError
-from ..monitor.config import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig,
+from .monitor import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig,
                               WandbConfig)  # DeepSpeed's monitoring sections
 from .vissl import is_vissl, translate_vissl
 

@@ -24,7 +24,6 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from torch import nn
 
 from ..errors import ConfigError
 from .vissl_defaults import VISSL_DEFAULTS
@@ -120,10 +119,11 @@ def translate_vissl(data: dict) -> dict:
     return out
 
 
-def vissl_initialize_args(model: nn.Module, config: Any) -> tuple[Optional[Any], Any]:
+def vissl_setup_of(config: Any) -> tuple[Optional[VisslSetup], Any]:
     """For `zerodp.initialize(model, None, config)`: when `config` is a VISSL file or mapping, return
-    (VISSL's optimizer over the model, the zero config); otherwise (None, config) unchanged. A VISSL
-    schedule that is not constant needs the steps per epoch, so it is refused here with the fix."""
+    (its resolved setup, the zero config), the optimizer being `optim.vissl_params.vissl_optimizer`'s; otherwise
+    (None, config) unchanged. A VISSL schedule that is not constant needs the steps per epoch, so it is
+    refused here with the fix."""
     if isinstance(config, (str, Path)):
         path = Path(config)
         if path.suffix not in (".yaml", ".yml") or not path.exists():
@@ -142,4 +142,4 @@ def vissl_initialize_args(model: nn.Module, config: Any) -> tuple[Optional[Any],
         raise ConfigError(f"VISSL config: the learning rate follows a '{setup.lr_schedule_spec['name']}' schedule, "
                           f"which needs the steps per epoch: use engine, schedule = zerodp.integrations.vissl."
                           f"initialize(zerodp.config_vissl.load_vissl(path), model, steps_per_epoch=...) and call schedule.step() after engine.step()")
-    return setup.build_optimizer(model), setup.zero_config
+    return setup, setup.zero_config

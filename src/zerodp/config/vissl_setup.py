@@ -11,10 +11,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from torch import nn
 
 from ..errors import ConfigError
-from .vissl_params import build_vissl_optimizer
 from .vissl_schedule import LRSchedule, build_schedule
 
 _TOP_KEYS = {"OPTIMIZER", "MODEL", "USE_SDP", "DATA", "LOSS", "TRAINER", "DISTRIBUTED", "MACHINE", "CHECKPOINT",
@@ -53,7 +51,7 @@ class VisslSetup:
     """A VISSL config resolved for zerodp: the DeepSpeed-style config plus what needs the model."""
 
     zero_config: dict
-    optimizer: dict            # name, hyper-parameters, LARC, regularization (see vissl_params)
+    optimizer: dict            # name, hyper-parameters, LARC, regularization (built by optim/vissl_params.py)
     lr_schedule_spec: dict     # OPTIMIZER.param_schedulers.lr after VISSL's auto LR scaling
     num_epochs: int
     update_interval: str
@@ -71,10 +69,6 @@ class VisslSetup:
 
     def schedule_value(self, where: float) -> float:
         return build_schedule(self.lr_schedule_spec, self.num_epochs)(where)
-
-    def build_optimizer(self, model: nn.Module):
-        """The optimizer VISSL builds: VISSL's param groups, SGD/Adam(W), LARC around SGD if use_larc."""
-        return build_vissl_optimizer(model, self.optimizer, lr=self.schedule_value(0.0))
 
     def lr_schedule(self, optimizer, steps_per_epoch: int) -> LRSchedule:
         """The learning-rate schedule over `optimizer.param_groups` (engine.optimizer for a zerodp engine)."""

@@ -12,11 +12,12 @@ from torch import nn
 from ..config.vissl import load_vissl
 from ..config.vissl_setup import VisslSetup
 from ..engine import initialize as initialize_engine
+from ..optim.vissl_params import vissl_optimizer
 
 __all__ = ["initialize", "load_vissl"]
 
 
 def initialize(setup: VisslSetup, model: nn.Module, steps_per_epoch: int, process_group=None):
     """`zerodp.initialize` with a VISSL setup; returns (engine, lr schedule to step after each engine step)."""
-    engine = initialize_engine(model, setup.build_optimizer(model), setup.zero_config, process_group)
+    engine = initialize_engine(model, vissl_optimizer(setup, model), setup.zero_config, process_group)
     return engine, setup.lr_schedule(engine.optimizer, steps_per_epoch)

@@ -10,6 +10,6 @@
 Only the config models are imported here, so `zerodp.config` can import them without loading the rest.
 """
 
-from .config import CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig, WandbConfig
+from ..config.monitor import CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig, WandbConfig
 
 __all__ = ["CommsLoggerConfig", "CSVMonitorConfig", "FlopsProfilerConfig", "TensorBoardConfig", "WandbConfig"]

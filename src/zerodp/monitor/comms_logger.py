@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import comm
-from .config import CommsLoggerConfig, canonical_op
+from ..config.monitor import CommsLoggerConfig, canonical_op
 
 log = logging.getLogger("zerodp")
 

@@ -13,7 +13,7 @@ import csv
 import os
 from pathlib import Path
 
-from .config import CSVMonitorConfig
+from ..config.monitor import CSVMonitorConfig
 from .event import Event
 
 

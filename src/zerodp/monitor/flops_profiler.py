@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .config import FlopsProfilerConfig
+from ..config.monitor import FlopsProfilerConfig
 
 log = logging.getLogger("zerodp")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ConfigError
-from .config import TensorBoardConfig
+from ..config.monitor import TensorBoardConfig
 from .event import Event
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from ..errors import ConfigError
-from .config import WandbConfig
+from ..config.monitor import WandbConfig
 from .event import Event
 
 

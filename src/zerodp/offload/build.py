@@ -23,7 +23,7 @@ from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
 from .heap import map_large_buffers
 from ..precision import PrecisionPolicy
-from .config import OffloadDevice, ignored_settings
+from ..config.offload import OffloadDevice, ignored_settings
 from .file_io import FileIO
 from .optimizer_state import OffloadedOptimizerState
 from .run_dir import OffloadPathError, RankDir, check_nvme_path, new_run_id, report_leftovers

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..optim.larc import LARC
+from .larc import LARC
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm)
@@ -79,3 +79,18 @@ def build_vissl_optimizer(model: nn.Module, spec: dict, lr: float):
     else:  # vissl_resolve validates the name first; this guards direct callers
         raise ConfigError(f"VISSL config: optimizer '{name}' is not supported")
     return LARC(opt, **spec["larc"]) if spec["larc"] is not None else opt
+
+
+def vissl_optimizer(setup, model: nn.Module):
+    """The optimizer VISSL builds for a resolved `config.vissl_setup.VisslSetup`: VISSL's param groups, SGD/Adam(W),
+    LARC around SGD if use_larc, at the schedule's learning rate at epoch 0."""
+    return build_vissl_optimizer(model, setup.optimizer, lr=setup.schedule_value(0.0))
+
+
+def vissl_initialize_args(model: nn.Module, config):
+    """For `zerodp.initialize(model, None, config)`: (VISSL's optimizer, the zero config) when `config` is a VISSL
+    file or mapping; otherwise (None, config) unchanged (config/vissl.py's `vissl_setup_of`)."""
+    from ..config.vissl import vissl_setup_of
+
+    setup, config = vissl_setup_of(config)
+    return (vissl_optimizer(setup, model) if setup is not None else None), config

@@ -14,7 +14,7 @@ from typing import Optional
 
 from pydantic import Field, model_validator
 
-from ..config.strict import StrictModel
+from .strict import StrictModel
 
 
 class OffloadDevice(str, Enum):

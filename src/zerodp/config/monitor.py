@@ -2,8 +2,8 @@
 
 Keys, defaults and meanings are DeepSpeed's (its config reference and deepspeed/monitor/config.py),
 so a DeepSpeed config's monitoring sections work unchanged. Every section is off by default; what an
-enabled section writes is described in monitor/monitor.py. Kept apart from config/schema.py (which
-imports these models) so that the monitor package can be read on its own.
+enabled section writes is described in monitor/monitor.py. Configuration lives in the config package
+(schema.py takes these sections from here); the monitor package imports it, never the other way round.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 
 from pydantic import Field, field_validator
 
-from ..config.strict import StrictModel
+from .strict import StrictModel
 
 # DeepSpeed's default job name: the folder under output_path that a run's files go to.
 DEFAULT_JOB_NAME = "DeepSpeedJobName"

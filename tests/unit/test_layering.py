@@ -1,0 +1,104 @@
+"""zerodp's packages import each other in one direction: no package-level import cycle.
+
+Modules have none either (shared/tools/imports.py checks that); this test checks the coarser graph
+whose nodes are zerodp's first-level packages (`zerodp.config`, `zerodp.offload`, ...; top-level
+modules such as `engine` count as their own node). An edge is any import, at module level or inside a
+function, from a module of one node to a module of another; imports of the root package `zerodp`
+itself (its public API) are not edges. A cycle fails with the modules that make each edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = SRC / "zerodp"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of zerodp modules (or packages) that `path` imports."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("zerodp"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("zerodp"):
+                out.add(target)
+                out.update(f"{target}.{a.name}" for a in node.names)  # `from . import x` names a module
+    return out
+
+
+def _node(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """{package: {imported package: [importing modules]}}."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    known = {_node(_module_name(p)) for p in ROOT.rglob("*.py")}
+    for path in ROOT.rglob("*.py"):
+        src = _node(_module_name(path))
+        for target in _imports(path):
+            dst = _node(target)
+            if dst and dst in known and dst != src and src:
+                graph.setdefault(src, {}).setdefault(dst, []).append(_module_name(path))
+    return graph
+
+
+def _cycles(graph: dict[str, dict]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_package_level_import_cycle():
+    graph = package_graph()
+    cycles = _cycles(graph)
+    detail = [f"{a} -> {b} ({', '.join(sorted(set(graph[a][b]))[:3])})" for c in cycles for a in c for b in graph.get(a, {})
+              if b in c]
+    assert not cycles, f"package-level import cycles {cycles}:\n" + "\n".join(detail)
+
+
+def test_the_checker_sees_a_cycle():
+    assert _cycles({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}, "d": {"a": []}}) == [["a", "b", "c"]]
