@@ -2,7 +2,8 @@
 steps of a 48 x Linear(2048, 2048) MLP (201M parameters, fp32 AdamW) at stage 3 on 2 gloo ranks.
 
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/offload_init_rss.py both
-    (modes: none | both | param | opt; env: D=layers W=width STEPS=n MIC=max_in_cpu or "unset";
+    (modes: none | both | param | opt; env: D=layers W=width STEPS=n; MIC=max_in_cpu and SG=sub_group_size,
+     both "unset" by default: a user's config, only device and nvme_path;
      TRIMCHECK=1 also reports RSS after one malloc_trim right after initialize, as a diagnosis only)
 
 Memory is what the OS sees: VmHWM (peak RSS, reset with /proc/self/clear_refs 5 after a warm-up) and
@@ -28,11 +29,12 @@ def reset_hwm():
 MODE = sys.argv[1]  # none | both | param | opt
 WIDTH, DEPTH = int(os.environ.get("W", 2048)), int(os.environ.get("D", 48))
 STEPS = int(os.environ.get("STEPS", 3))
-nvme = "/tmp/offl/nvme"; os.makedirs(nvme, exist_ok=True)
-zero = {"stage": 3, "sub_group_size": 4_000_000}
+nvme = os.environ.get("NVME", "/tmp/offl/nvme"); os.makedirs(nvme, exist_ok=True)
+zero = {"stage": 3}
+if os.environ.get("SG", "unset") != "unset": zero["sub_group_size"] = int(float(os.environ["SG"]))
 if MODE in ("both", "param"):
     zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
-    if os.environ.get("MIC", "1e7") != "unset": zero["offload_param"]["max_in_cpu"] = float(os.environ.get("MIC", "1e7"))
+    if os.environ.get("MIC", "unset") != "unset": zero["offload_param"]["max_in_cpu"] = int(float(os.environ["MIC"]))
 if MODE in ("both", "opt"):
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
 cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero}
@@ -65,4 +67,4 @@ numel = sum(p.numel() for p in model.parameters())
 if dist.get_rank() == 0 or True:
     print(MODE, dist.get_rank(), f"numel={numel/1e6:.1f}M", json.dumps({k: (f"{v[0]/2**30:.2f}/{v[1]/2**30:.2f}" if isinstance(v, tuple) else round(v,1)) for k, v in out.items()}), losses, flush=True)
 engine.close()
-import os; dist.barrier(); os._exit(0)
+import os; os._exit(0)  # engine.close() destroyed the process group zerodp created

@@ -163,8 +163,9 @@ def _add_estimate(sub) -> None:
                    "(offload_param.device); prints the same device/host/disk table")
     p.add_argument("--max-in-cpu", type=float, default=1e9, metavar="M", help="with --offload-param nvme: "
                    "parameter elements cached in host memory (offload_param.max_in_cpu, default 1e9)")
-    p.add_argument("--sub-group-size", type=float, default=1e9, metavar="W", help="with --offload nvme: "
-                   "elements per streamed window (zero_optimization.sub_group_size, default 1e9)")
+    p.add_argument("--sub-group-size", type=float, default=4e6, metavar="W", help="with --offload nvme: "
+                   "elements per streamed window (zero_optimization.sub_group_size; default 4e6, what an unset "
+                   "config gets)")
     p.add_argument("--buffer-count", type=int, default=4, metavar="B", help="with --offload nvme: I/O buffers "
                    "(offload_optimizer.buffer_count, default 4)")
     p.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH, metavar="B",

@@ -35,12 +35,14 @@ def init_distributed(timeout_s: Optional[float] = None) -> bool:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(seconds=timeout_s)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        dist.init_process_group(backend=backend, store=_restart_store(timeout), rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    global _created_group, _groups_created
+    _groups_created += 1
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0 or _groups_created > 1:
+        dist.init_process_group(backend=backend, store=_fresh_store(timeout, restart, _groups_created),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
-    global _created_group
     _created_group = dist.group.WORLD
     # [Note: teardown] A process group left alive until interpreter shutdown is destroyed by C++
     # static destructors while gloo's threads still run: "terminate called without an active
@@ -52,22 +54,27 @@ def init_distributed(timeout_s: Optional[float] = None) -> bool:
     return True
 
 
-def _restart_store(timeout) -> dist.Store:
-    """The rendezvous store of a restarted attempt, with keys under a prefix of its own.
+def _fresh_store(timeout, restart: int, generation: int) -> dist.Store:
+    """The rendezvous store of a default group that is not the first on this store, with keys under a
+    prefix of its own: a restarted attempt (`restart` > 0), or a group re-created in the same process after
+    `engine.close()` destroyed the first (`generation` > 1; every rank runs the same script, so every rank
+    counts the same).
 
-    torch's elastic agent restarts the ranks on the same store: under the default prefix a restarted
-    rank reads the dead attempt's addresses and gloo fails with "connectFullMesh failed ...
-    Connection refused" (pytorch/pytorch#167288 reports the same for NCCL).
+    torch's elastic agent keeps its store for the whole job, and a re-created group starts torch's group
+    counter from 0 again, so under the default prefix the new group's communicators have the old ones'
+    names and read their dead addresses: gloo fails with "connectFullMesh failed ... Connection refused"
+    (pytorch/pytorch#167288 reports the same for NCCL after a restart).
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_store, timeout=timeout, multi_tenant=not agent_store)
-    return dist.PrefixStore(f"zerodp/restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    return dist.PrefixStore(f"zerodp/restart{restart}/group{generation}", store)
 
 
 # The default group init_distributed created, if it still exists: not configuration, only who owns it.
 _created_group: ProcessGroup = None
+_groups_created = 0  # default groups init_distributed created in this process (names their store prefix)
 
 
 def owns_default_group() -> bool:

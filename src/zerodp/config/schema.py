@@ -105,9 +105,11 @@ class ZeroOptimizationConfig(StrictModel):
                                                       "Offload / ZeRO-Infinity: optimizer state in host memory or files.")
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig, description="Stage 3: "
                                               "parameter shards in host memory or files.")
-    sub_group_size: int = Field(1_000_000_000, ge=0, description="Elements per chunk that an offloaded optimizer "
-                                "step streams (read, step, write); bounds the optimizer's working set in RAM. 0: "
-                                "the smallest chunks (DeepSpeed: one tensor per sub-group).")
+    sub_group_size: Optional[int] = Field(None, ge=0, description="Elements per chunk that an offloaded "
+                                          "optimizer step streams (read, step, write); bounds the optimizer's working "
+                                          "set in RAM. 0: the smallest chunks (DeepSpeed: one tensor per sub-group). "
+                                          "Unset: 4e6 (16 MiB per fp32 state tensor, logged at start-up); DeepSpeed's "
+                                          "default, 1e9, reads a rank's whole optimizer state at once.")
     zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (stage 3): every parameter gather sends "
                                          "the shards in int8 with one fp32 scale per 256 elements (about a quarter "
                                          "of fp32's bytes, half of bf16's); every rank computes with the same "

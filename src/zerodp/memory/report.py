@@ -112,7 +112,7 @@ def measure_memory(engine) -> MemoryReport:
     if home is not None:  # offload_param: at most max_in_cpu elements of this rank's shard stay in memory
         from ..offload.estimate import param_offload_report_bytes
 
-        params_predicted, param_disk_predicted = param_offload_report_bytes(engine, numel, elem)
+        params_predicted, param_disk_predicted = param_offload_report_bytes(engine, numel, elem, home.limit_numel)
         predicted = ModelStateBytes(params_predicted, predicted.grads, predicted.optimizer)
         disk += home.disk_bytes()
         disk_predicted += param_disk_predicted

@@ -12,6 +12,7 @@ Settings that cannot have an effect on this machine are reported once (a warning
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
@@ -23,12 +24,14 @@ from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
 from .heap import map_large_buffers
 from ..precision import PrecisionPolicy
-from ..config.offload import OffloadDevice, ignored_settings
+from ..config.offload import DEFAULT_SUB_GROUP_SIZE, OffloadDevice, ignored_settings
 from .file_io import FileIO
 from .optimizer_state import OffloadedOptimizerState
 from .run_dir import OffloadPathError, RankDir, check_nvme_path, new_run_id, report_leftovers
 from .shard_store import ShardStore
 from .store import FileStore, HostStore
+
+log = logging.getLogger("zerodp")
 
 _reported: set[str] = set()
 
@@ -67,8 +70,15 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
                           f"needs whole-parameter norms over the full shard in one step; use an elementwise "
                           f"optimizer (Adam, AdamW, SGD, ...) or remove offload_optimizer")
     numel = sum(u.param_shard.numel() for u in units)
+    sub_group_size = zero.sub_group_size
+    if sub_group_size is None:
+        sub_group_size = DEFAULT_SUB_GROUP_SIZE
+        if rank == 0:
+            log.info("zerodp offload_optimizer: sub_group_size is not set: the step streams windows of %d elements "
+                     "(%d MiB per fp32 state tensor, %d buffers); set it to change", sub_group_size,
+                     sub_group_size * 4 >> 20, section.buffer_count)
     # DeepSpeed reads sub_group_size 0 as the smallest groups (one tensor each): here, one optimizer chunk
-    window = min(zero.sub_group_size or OPTIMIZER_CHUNK_NUMEL, max(numel, 1))
+    window = min(sub_group_size or OPTIMIZER_CHUNK_NUMEL, max(numel, 1))
     # cpu: all of it in host memory; nvme: the first (1 - ratio) in host memory, the rest in files
     host_fraction = 1.0 if section.device is OffloadDevice.CPU else 1.0 - section.ratio
     pin = section.pin_memory and torch.cuda.is_available()
@@ -113,6 +123,9 @@ def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, lar
         # without a GPU the shard already lives in host memory: nothing to move (said once by report_ignored)
         return ShardStore(None, None, section.max_in_cpu, section.buffer_count,
                                section.pin_memory and has_cuda) if has_cuda else None
+    if section.max_in_cpu is None and rank == 0:
+        log.info("zerodp offload_param: max_in_cpu is not set: at most %d shards of the largest size stay in memory "
+                 "(buffer_count, the gathers' working set); set max_in_cpu to cache more", section.buffer_count)
     key = "zero_optimization.offload_param.nvme_path"
     needed = -(-model_numel // world) * itemsize * (1 if _grads_stay(config) else 2)
     rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)  # its own run folder

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..config.offload import DEFAULT_SUB_GROUP_SIZE
+
 
 @dataclass(frozen=True)
 class OffloadBytes:
@@ -112,13 +114,17 @@ def offload_report_bytes(engine, numel: int, master_bytes: int, state_bytes: int
     shard = shard_numel if shard_numel is not None else numel / (engine.world_size if engine.stage >= 1 else 1)
     device = section.device.value
     tiers = predict_offload_bytes(shard, state_bytes, device, section.ratio if device == "nvme" else 1.0,
-                                  max(zero.sub_group_size, largest_chunk), section.buffer_count)
+                                  max(DEFAULT_SUB_GROUP_SIZE if zero.sub_group_size is None else zero.sub_group_size,
+                                      largest_chunk), section.buffer_count)
     return shard * master_bytes + tiers.host, tiers.disk
 
 
-def param_offload_report_bytes(engine, numel: int, param_bytes_per_elem: int) -> tuple[float, float]:
-    """(predicted parameter bytes in memory, predicted disk bytes) of a live engine with offload_param."""
+def param_offload_report_bytes(engine, numel: int, param_bytes_per_elem: int,
+                               max_in_cpu: Optional[int] = None) -> tuple[float, float]:
+    """(predicted parameter bytes in memory, predicted disk bytes) of a live engine with offload_param;
+    `max_in_cpu`: the store's limit (`ShardStore.limit_numel`), else the config's."""
     section = engine.config.zero_optimization.offload_param
+    limit = max_in_cpu if max_in_cpu is not None else section.max_in_cpu
     tiers = predict_param_offload_bytes(numel / engine.world_size, param_bytes_per_elem, section.device.value,
-                                        section.max_in_cpu)
+                                        1e9 if limit is None else limit)
     return tiers.host, tiers.disk

@@ -8,7 +8,7 @@ forever (the optimizer's chunks of the fp32 master are views of it: optimizer.py
 is attached only while the shard is resident (see [Note: freeing storage] in flat/buffer.py). At
 rest the values live in a backing store: one file per shard under nvme_path (`nvme`), or pinned host
 memory when the shard itself lives on a GPU (`cpu`). At most `max_in_cpu` elements are resident at
-once; a shard that must be resident (an all-gather or the optimizer reads it) always is, even past
+once (unset: `buffer_count` shards of the largest size, the gathers' working set); a shard that must be resident (an all-gather or the optimizer reads it) always is, even past
 the bound, as stage 3's needed gathers always proceed.
 
 Shard states (asserted):
@@ -93,14 +93,15 @@ class _Entry:
 class ShardStore:
     """Where this rank's stage-3 parameter (or gradient) shards live; see the module docstring."""
 
-    def __init__(self, rank_dir: Optional[RankDir], io: Optional[FileIO], max_in_cpu: int, buffer_count: int,
+    def __init__(self, rank_dir: Optional[RankDir], io: Optional[FileIO], max_in_cpu: Optional[int], buffer_count: int,
                  pin_memory: bool = False, kind: str = "param", owns_files: bool = True) -> None:
         self.rank_dir = rank_dir       # None: backed by host memory (device cpu with a GPU)
         self.io = io
         self.kind = kind               # "param" or "grad": names the files
         self.owns_files = owns_files   # close() also closes `io` and `rank_dir` (a grad store shares them)
-        self.max_in_cpu = max_in_cpu
+        self.max_in_cpu = max_in_cpu   # None: the working set, see `limit_numel`
         self.buffer_count = buffer_count
+        self._largest_numel = 0        # of the shards adopted so far
         self.pin_memory = pin_memory
         self.entries: dict[int, _Entry] = {}                            # id(shard) -> entry
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident, oldest first
@@ -125,6 +126,7 @@ class ShardStore:
         assert id(shard) not in self.entries
         index = self._adopted
         self._adopted += 1
+        self._largest_numel = max(self._largest_numel, shard.numel())
         if self.rank_dir is not None:
             backing = FileStore(self.rank_dir, shard.numel(), self.io, prefix=f"{self.kind}{index}.")
         else:
@@ -304,11 +306,17 @@ class ShardStore:
                 freed = True
         return freed
 
+    @property
+    def limit_numel(self) -> int:
+        """Elements that may be resident at once: max_in_cpu, or when it is unset the working set of the gathers,
+        `buffer_count` shards of the largest size adopted (the ones in flight: gathered, read ahead, written)."""
+        return self.max_in_cpu if self.max_in_cpu is not None else self.buffer_count * self._largest_numel
+
     def _make_room(self, numel: int, protect: Iterable[int]) -> bool:
-        """Evict least recently used unheld shards until `numel` more elements fit in max_in_cpu.
+        """Evict least recently used unheld shards until `numel` more elements fit in `limit_numel`.
         Returns False when they do not fit even so (held shards, or writes that cannot finish yet)."""
         protect = set(protect)
-        while self.resident_numel + numel > self.max_in_cpu:
+        while self.resident_numel + numel > self.limit_numel:
             victim = next((self.entries[k] for k in self.lru
                            if k not in protect and self.entries[k].users == 0
                            and self.entries[k].state is ShardHome.RESIDENT), None)
