@@ -87,6 +87,7 @@ def worker(rank: int, phase: str, work: str, out: dict) -> None:
     if phase == "train":
         steps(engine, 0, STEPS)
         rec["trained"] = maxrss()
+        rec["rss_before"] = vm("VmRSS")
         reset_hwm()
         t = time.time()
         engine.save_checkpoint(f"{work}/ckpt", tag="t")
@@ -94,11 +95,13 @@ def worker(rank: int, phase: str, work: str, out: dict) -> None:
         rec["save_hwm"], rec["saved"] = vm("VmHWM"), maxrss()
         rec["losses"] = steps(engine, STEPS, MORE)
     else:
+        rec["rss_before"] = vm("VmRSS")
         reset_hwm()
         t = time.time()
         engine.load_checkpoint(f"{work}/ckpt", tag="t")
         rec["load_s"] = time.time() - t
         rec["load_hwm"], rec["loaded"] = vm("VmHWM"), maxrss()
+        rec["after_load_anon_file"] = (vm("RssAnon"), vm("RssFile"))
         rec["losses"] = steps(engine, STEPS, MORE)
     rec["total_s"] = time.time() - t0
     engine.close()
@@ -119,10 +122,13 @@ def main() -> None:
         rs = json.load(open(f"{work}/resume-{rank}.json"))
         g = lambda v: f"{v / GiB:.2f}"
         print(f"rank {rank}: train: start {g(tr['start'])} init {g(tr['initialized'])} trained(peak) "
-              f"{g(tr['trained'])} | save alone {g(tr['save_hwm'])} maxrss after save {g(tr['saved'])} "
-              f"({tr['save_s']:.1f} s) || resume: start {g(rs['start'])} init {g(rs['initialized'])} | load alone "
+              f"{g(tr['trained'])} | RSS before save {g(tr['rss_before'])} save alone {g(tr['save_hwm'])} maxrss after save {g(tr['saved'])} "
+              f"({tr['save_s']:.1f} s) || resume: start {g(rs['start'])} init {g(rs['initialized'])} | RSS before load "
+              f"{g(rs['rss_before'])} load alone "
               f"{g(rs['load_hwm'])} maxrss after load {g(rs['loaded'])} ({rs['load_s']:.1f} s) || "
               f"save/train {tr['saved'] / tr['trained']:.2f} load/train {rs['loaded'] / tr['trained']:.2f}")
+        print(f"   right after the load: RssAnon {g(rs['after_load_anon_file'][0])} RssFile "
+              f"{g(rs['after_load_anon_file'][1])} GiB (file-backed pages count as RSS while mapped)")
         print(f"   losses uninterrupted {tr['losses']} resumed {rs['losses']} equal={tr['losses'] == rs['losses']}")
     print(f"work dir {work}")
 

@@ -57,6 +57,7 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
 import torch
 
 from ..errors import CheckpointError
+from .tensor_reader import TensorFileReader
 
 FORMAT_NAME = "zerodp-checkpoint"
 FORMAT_VERSION = 1
@@ -312,17 +313,21 @@ class CheckpointFiles:
     def has(self, name: str) -> bool:
         return name in self.meta["files"]
 
-    def tensors(self, name: str):
-        """An open safetensors reader of file `name` (slices are read lazily)."""
+    def tensors(self, name: str) -> TensorFileReader:
+        """An open reader of the tensor file `name` (slices are read on demand, never mapped)."""
         if name not in self._open:
-            from safetensors import safe_open
-
-            self._open[name] = safe_open(str(self.path(name)), framework="pt", device="cpu")
+            self._open[name] = TensorFileReader(self.path(name))
         return self._open[name]
 
     def read_slice(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the 1-D tensor `key` of file `name`, read from disk without the rest."""
-        return self.tensors(name).get_slice(key)[lo:hi]
+        return self.tensors(name).read(key, lo, hi)
+
+    def close(self) -> None:
+        """Close the files opened for reading (also done when this object is garbage collected)."""
+        for reader in self._open.values():
+            reader.close()
+        self._open.clear()
 
     def read_value(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened parameter or buffer `name` (its first name), from
@@ -330,7 +335,7 @@ class CheckpointFiles:
         entry = self.meta["tensors"][name]
         segments = self.meta["segments"].get(name)
         if segments is None and entry["kind"] != "param":
-            return self.tensors(MODEL_STATES_FILE).get_tensor(name).reshape(-1)[start:end]
+            return self.tensors(MODEL_STATES_FILE).read(name, start, end)
         kind = MASTER if entry["kind"] == "param" else FROZEN
         world = self.meta["world_size"]
         pieces = [self.read_slice(shard_file(rank, world), tensor_key(kind, name, s, e), lo - s, hi - s)

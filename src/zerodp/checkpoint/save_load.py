@@ -217,6 +217,7 @@ def load_checkpoint(engine: CheckpointEngine, load_dir, tag: Optional[str] = Non
            note="; the engine now holds a mix of its old and the loaded states: load a checkpoint again before "
                 "training")
     _apply_load(engine, plan)
+    plan.files.close()
     return plan.client_state
 
 
