@@ -1,7 +1,8 @@
 """Issue 21 item 2: peak RSS of save_checkpoint and load_checkpoint (fresh process) against training's.
 
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 python bench/checkpoint_rss.py [both|none]
-    (env: D=layers (24) W=width (2048) STEPS=n before the save (2) MORE=n after it (2) DIR=work folder)
+    (env: D=layers (24) W=width (2048) STEPS=n before the save (2) MORE=n after it (2) DIR=work folder;
+     SG=sub_group_size MIC=max_in_cpu: set them to see a smaller training peak; unset, a user's config)
 
 An MLP of D x Linear(W, W) (24 x 2048^2: 100.7M parameters), built under zerodp.init_context, fp32
 AdamW, stage 3 on 2 gloo ranks; `both`: offload_param and offload_optimizer on nvme with only device
@@ -56,6 +57,10 @@ def config(nvme: str) -> dict:
     if MODE == "both":
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+        if "MIC" in os.environ:
+            zero["offload_param"]["max_in_cpu"] = int(float(os.environ["MIC"]))
+    if "SG" in os.environ:
+        zero["sub_group_size"] = int(float(os.environ["SG"]))
     return {"train_micro_batch_size_per_gpu": MICRO_BS, "zero_optimization": zero}
 
 
@@ -116,7 +121,7 @@ def main() -> None:
     os.makedirs(f"{work}/nvme", exist_ok=True)
     for phase in ("train", "resume"):
         mp.spawn(worker, args=(phase, work, {}), nprocs=2, join=True)
-    print(f"mode={MODE} {DEPTH} x Linear({WIDTH}, {WIDTH}), {DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6:.1f}M params")
+    print(f"mode={MODE} SG={os.environ.get('SG', 'unset')} MIC={os.environ.get('MIC', 'unset')} {DEPTH} x Linear({WIDTH}, {WIDTH}), {DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6:.1f}M params")
     for rank in range(2):
         tr = json.load(open(f"{work}/train-{rank}.json"))
         rs = json.load(open(f"{work}/resume-{rank}.json"))
