@@ -121,13 +121,15 @@ def main() -> None:
     os.makedirs(f"{work}/nvme", exist_ok=True)
     for phase in ("train", "resume"):
         mp.spawn(worker, args=(phase, work, {}), nprocs=2, join=True)
-    print(f"mode={MODE} SG={os.environ.get('SG', 'unset')} MIC={os.environ.get('MIC', 'unset')} {DEPTH} x Linear({WIDTH}, {WIDTH}), {DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6:.1f}M params")
+    print(f"mode={MODE} SG={os.environ.get('SG', 'unset')} MIC={os.environ.get('MIC', 'unset')} "
+          f"{DEPTH} x Linear({WIDTH}, {WIDTH}), {DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6:.1f}M params")
     for rank in range(2):
         tr = json.load(open(f"{work}/train-{rank}.json"))
         rs = json.load(open(f"{work}/resume-{rank}.json"))
         g = lambda v: f"{v / GiB:.2f}"
         print(f"rank {rank}: train: start {g(tr['start'])} init {g(tr['initialized'])} trained(peak) "
-              f"{g(tr['trained'])} | RSS before save {g(tr['rss_before'])} save alone {g(tr['save_hwm'])} maxrss after save {g(tr['saved'])} "
+              f"{g(tr['trained'])} | RSS before save {g(tr['rss_before'])} save alone {g(tr['save_hwm'])} "
+              f"maxrss after save {g(tr['saved'])} "
               f"({tr['save_s']:.1f} s) || resume: start {g(rs['start'])} init {g(rs['initialized'])} | RSS before load "
               f"{g(rs['rss_before'])} load alone "
               f"{g(rs['load_hwm'])} maxrss after load {g(rs['loaded'])} ({rs['load_s']:.1f} s) || "
