@@ -296,26 +296,31 @@ class ZeroEngine:
         return self.monitor.comms_summary()
 
     def _params_resident(self, dirty: bool = False):
-        """offload_param: every parameter shard in memory for a block (checkpoints read them all at once)."""
+        """offload_param: every parameter shard in memory for a block (full_state_dict reads them all)."""
         if self.param_home is None:
             return contextlib.nullcontext()
         return self.param_home.all_resident(dirty=dirty)
 
+    def shards_resident(self, units, dirty: bool = False):
+        """offload_param: the parameter shards of `units` in memory for a block (`dirty`: the block
+        writes them). Checkpoints hold one unit at a time, so a save or load never holds them all."""
+        if self.param_home is None:
+            return contextlib.nullcontext()
+        return self.param_home.resident([u.param_shard for u in units], dirty=dirty)
+
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
-        """Every rank writes its own shards under save_dir/tag; returns the checkpoint's path."""
+        """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path."""
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
-        with self._params_resident():
-            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None) -> dict:
-        """Resume from a checkpoint (any world size or stage); returns the saved client_state."""
+        """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state."""
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
-        with self._params_resident(dirty=True):
-            return load_checkpoint(self, load_dir, tag=tag)
+        return load_checkpoint(self, load_dir, tag=tag)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""

@@ -84,6 +84,8 @@ class CheckpointOptimizer(Protocol):
 
     def state_of(self, index: int) -> dict: ...
 
+    def state_spec_of(self, index: int) -> tuple[dict[str, torch.dtype], dict]: ...  # state_of's keys, no read
+
     def load_state_of(self, index: int, state: dict) -> None: ...
 
     # whole-tensor units (flat/whole_tensor_layout.py): state per owned parameter, by layout position
@@ -119,3 +121,6 @@ class CheckpointEngine(Protocol):
 
     @property
     def at_step_boundary(self) -> bool: ...  # no gradient accumulated since the last optimizer step
+
+    # offload_param: a unit's param_shard has storage only inside this block (elsewhere a no-op)
+    def shards_resident(self, units: Sequence[ShardedUnit], dirty: bool = False) -> Any: ...

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from zerodp import CheckpointError
 from zerodp.checkpoint import format as fmt
+from zerodp.checkpoint.tensor_reader import TensorFileReader
 
 
 def test_tensor_file_is_plain_safetensors_and_its_checksum_is_the_files(tmp_path):
@@ -34,6 +35,54 @@ def test_tensor_file_is_plain_safetensors_and_its_checksum_is_the_files(tmp_path
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"rank": "0"}
         assert torch.equal(f.get_slice("master/a.weight/0-7")[2:5], flat[5:8])
+
+
+def test_a_tensor_stream_is_written_as_produced_and_read_back_by_ranges(tmp_path):
+    """What a checkpoint's shard file is (units.py): a header declared first, values produced one by one;
+    `TensorFileReader` reads element ranges of it with plain reads, as safetensors itself would."""
+    values = {"master/w/0-6": torch.arange(6, dtype=torch.float32),
+              "exp_avg/w/0-6": torch.ones(6, dtype=torch.bfloat16), "matrix": torch.arange(12, dtype=torch.int32).view(3, 4), "empty": torch.zeros(0)}
+    produced = []
+
+    def produce():
+        for key, value in values.items():
+            produced.append(key)  # nothing is made before the writer asks for it
+            yield key, value
+
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in values.items()]
+    path = tmp_path / "s.safetensors"
+    digest = fmt.write_tensor_file(path, fmt.TensorStream(specs, produce()), {"rank": "1"})
+    assert produced == list(values) and digest == fmt.sha256_file(path)
+    loaded = load_file(path)
+    for key, value in values.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    reader = TensorFileReader(path)
+    assert torch.equal(reader.read("master/w/0-6", 2, 5), torch.tensor([2.0, 3.0, 4.0]))
+    assert torch.equal(reader.read("matrix", 5, 7), torch.tensor([5, 6], dtype=torch.int32))  # flattened
+    assert torch.equal(reader.get_tensor("matrix"), values["matrix"])
+    assert reader.read("empty", 0, 0).numel() == 0
+    with pytest.raises(CheckpointError, match="no tensor 'nope'"):
+        reader.read("nope", 0, 1)
+    with pytest.raises(CheckpointError, match=r"elements \[4, 8\) of 'master/w/0-6' requested, but it has 6"):
+        reader.read("master/w/0-6", 4, 8)
+    reader.close()
+
+
+def test_a_stream_that_disagrees_with_its_header_is_an_error(tmp_path):
+    specs = [("a", torch.float32, (2,)), ("b", torch.float32, (3,))]
+    with pytest.raises(CheckpointError, match="does not match the header's entry"):
+        fmt.write_tensor_file(tmp_path / "x.safetensors", fmt.TensorStream(specs, iter([("a", torch.zeros(3))])))
+    with pytest.raises(CheckpointError, match="were never written"):
+        fmt.write_tensor_file(tmp_path / "y.safetensors", fmt.TensorStream(specs, iter([("a", torch.zeros(2))])))
+
+
+def test_a_truncated_tensor_file_is_reported(tmp_path):
+    path = tmp_path / "t.safetensors"
+    fmt.write_tensor_file(path, {"x": torch.arange(1000, dtype=torch.float32)})
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match="truncated"):
+        TensorFileReader(path).read("x", 900, 1000)
 
 
 def test_unsupported_dtype_is_refused(tmp_path):

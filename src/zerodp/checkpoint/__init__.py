@@ -3,6 +3,7 @@
     save_load.py     save_checkpoint, load_checkpoint (atomic commit, resharding on load)
     format.py        the on-disk format: file names, meta.json, safetensors files, checksums
     state.py         what a checkpoint holds of an engine, and how a new layout finds its part of it
+    units.py         one unit's part of a checkpoint, saved and loaded one unit at a time (streaming)
     consolidate.py   full fp32 state dicts from disk (no process group) or from a live engine
 """
 

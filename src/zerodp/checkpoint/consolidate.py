@@ -42,6 +42,7 @@ def consolidate_checkpoint(ckpt_dir, tag: Optional[str] = None) -> dict[str, tor
             continue
         shape = torch.Size(entry["shape"])
         out[key] = _upcast(files.read_value(key, 0, shape.numel()).view(shape))
+    files.close()
     return out
 
 

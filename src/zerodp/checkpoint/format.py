@@ -52,11 +52,12 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from ..errors import CheckpointError
+from .tensor_reader import TensorFileReader
 
 FORMAT_NAME = "zerodp-checkpoint"
 FORMAT_VERSION = 1
@@ -109,20 +110,32 @@ class _HashingWriter:
         return self.sha256.hexdigest()
 
 
-def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor],
+class TensorStream(NamedTuple):
+    """Tensors declared up front and produced one at a time: a safetensors header needs every key,
+    dtype and shape before the first byte, but the values need not exist together. Checkpoints
+    stream a rank's shard file unit by unit this way (checkpoint/units.py)."""
+
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]]   # (key, dtype, shape), in file order
+    tensors: Iterable[tuple[str, torch.Tensor]]             # (key, value) in the same order
+
+
+def write_tensor_file(path: Path, tensors: Union[Mapping[str, torch.Tensor], TensorStream],
                       metadata: Optional[dict[str, str]] = None) -> str:
-    """Write `tensors` as a safetensors file, streaming each one (views are not copied on CPU).
+    """Write `tensors` (a dict, or a `TensorStream`) as a safetensors file, streaming each one (views
+    are not copied on CPU).
 
     Returns the file's sha256. The format: an 8-byte little-endian header length, a JSON header
     giving each tensor's dtype, shape and byte range, then the tensors' bytes back to back.
     """
+    if not isinstance(tensors, TensorStream):
+        tensors = TensorStream([(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], tensors.items())
     header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
     offset = 0
-    for key, t in tensors.items():
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"cannot store tensor {key!r} of dtype {t.dtype} in a checkpoint")
-        nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+    for key, dtype, shape in tensors.specs:
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"cannot store tensor {key!r} of dtype {dtype} in a checkpoint")
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -131,7 +144,12 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor],
     try:
         out.write(struct.pack("<Q", len(encoded)))
         out.write(encoded)
-        for t in tensors.values():
+        specs = iter(tensors.specs)
+        for key, t in tensors.tensors:
+            spec = next(specs, None)
+            if spec is None or spec[0] != key or spec[1] != t.dtype or torch.Size(spec[2]).numel() != t.numel():
+                raise CheckpointError(f"internal error: tensor {key!r} ({t.dtype}, {t.numel()} elements) does not "
+                                      f"match the header's entry {spec}; the file {path} is incomplete")
             if t.numel():
                 # one tensor at a time reaches the CPU, so a GPU shard is never copied whole
                 flat = t.detach().reshape(-1).contiguous().cpu()
@@ -139,6 +157,10 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor],
                 # offloaded parameter shards free and re-attach theirs (offload/shard_store.py)
                 out.write(memoryview((ctypes.c_char * (flat.numel() * flat.element_size()))
                                      .from_address(flat.data_ptr())))
+        missing = [spec[0] for spec in specs]
+        if missing:
+            raise CheckpointError(f"internal error: {len(missing)} tensors of the header of {path} were never "
+                                  f"written (first: {missing[0]!r})")
     finally:
         digest = out.close()
     return digest
@@ -291,17 +313,21 @@ class CheckpointFiles:
     def has(self, name: str) -> bool:
         return name in self.meta["files"]
 
-    def tensors(self, name: str):
-        """An open safetensors reader of file `name` (slices are read lazily)."""
+    def tensors(self, name: str) -> TensorFileReader:
+        """An open reader of the tensor file `name` (slices are read on demand, never mapped)."""
         if name not in self._open:
-            from safetensors import safe_open
-
-            self._open[name] = safe_open(str(self.path(name)), framework="pt", device="cpu")
+            self._open[name] = TensorFileReader(self.path(name))
         return self._open[name]
 
     def read_slice(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the 1-D tensor `key` of file `name`, read from disk without the rest."""
-        return self.tensors(name).get_slice(key)[lo:hi]
+        return self.tensors(name).read(key, lo, hi)
+
+    def close(self) -> None:
+        """Close the files opened for reading (also done when this object is garbage collected)."""
+        for reader in self._open.values():
+            reader.close()
+        self._open.clear()
 
     def read_value(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened parameter or buffer `name` (its first name), from
@@ -309,7 +335,7 @@ class CheckpointFiles:
         entry = self.meta["tensors"][name]
         segments = self.meta["segments"].get(name)
         if segments is None and entry["kind"] != "param":
-            return self.tensors(MODEL_STATES_FILE).get_tensor(name).reshape(-1)[start:end]
+            return self.tensors(MODEL_STATES_FILE).read(name, start, end)
         kind = MASTER if entry["kind"] == "param" else FROZEN
         world = self.meta["world_size"]
         pieces = [self.read_slice(shard_file(rank, world), tensor_key(kind, name, s, e), lo - s, hi - s)

@@ -3,7 +3,9 @@
 Saving: every rank writes only the slices it owns (its fp32 master shard and the matching slices of
 each optimizer state tensor, one safetensors entry per parameter segment), its RNG states, and
 rank 0 adds the metadata, frozen parameters, buffers and client_state. The on-disk format is in
-`checkpoint/format.py` (its docstring is the reference).
+`checkpoint/format.py` (its docstring is the reference). The shard file is written one unit at a
+time ([Note: streaming checkpoints] in units.py): with offload, a save holds one unit's values
+beyond the training state, never the rank's whole shard.
 
 [Note: atomic commit] A checkpoint becomes visible in one rename, only after every rank wrote all
 its files:
@@ -17,14 +19,16 @@ A crash anywhere before step 3's rename leaves `latest` and every committed chec
 The directory must be on a filesystem every rank sees (rank 0 renames the other ranks' files).
 
 Loading: every rank reads meta.json, checks that the checkpoint fits the model (names, shapes,
-trainable or frozen, tying, optimizer groups and class), and builds its *new* master shards and
-optimizer state from the saved slices that overlap them (`state.assemble_master`),
-reading only the rank files it needs, each verified against its checksum. Nothing in the engine
-changes until every rank has prepared its part without error (agreed by an all-gather), so a bad
-checkpoint leaves the engine as it was; files are only ever read. Then masters, optimizer state,
+trainable or frozen, tying, optimizer groups and class), plans from the metadata alone which saved
+slices overlap each of its *new* unit shards (`units.plan_load`: every mismatch is found here), and
+verifies every rank file it will read against its checksum. Nothing in the engine changes until
+every rank has planned its part without error (agreed by an all-gather), so a bad checkpoint
+leaves the engine as it was; files are only ever read. Then each unit in turn reads its slices and
+sets its master, optimizer state (written straight to the offload store where there is one) and
+shard (`units.load_unit`), so the load holds one unit's values beyond the training state; then
 hyper-parameters, loss scaler, counters and RNG states are set, and the strategy re-assembles the
-parameters (`after_step`). Holding the new shards before applying them costs one extra copy of this
-rank's shard of model states during the load.
+parameters (`after_step`). A read that fails during the unit pass (a disk error after the checksum
+passed) is reported on every rank, saying the engine now holds a mix of states.
 
 Errors: every problem is a `CheckpointError` (a ValueError), raised on every rank, naming the file
 and the cause: a directory that does not exist or holds no checkpoint; a tag that does not exist
@@ -45,6 +49,7 @@ import torch
 
 from . import format as fmt
 from . import state as cs
+from . import units as cu
 from .. import comm
 from ..errors import CheckpointError
 from ..seams import CheckpointEngine
@@ -109,10 +114,11 @@ def _prepare_tmp(save_dir: Path, tmp: Path) -> None:
 def _write_rank_files(engine: CheckpointEngine, tmp: Path, client_state: Optional[dict]) -> dict:
     """This rank's files; returns what rank 0 needs for meta.json (segments, masters, checksums)."""
     rank, world = engine.rank, engine.world_size
-    tensors, segments, units = cs.shard_payload(engine)
+    specs, saves, segments, units = cu.plan_save(engine)  # [Note: streaming checkpoints] in units.py
     files = {}
     name = fmt.shard_file(rank, world)
-    files[name] = fmt.write_tensor_file(tmp / name, tensors, {"format": fmt.FORMAT_NAME, "rank": str(rank)})
+    files[name] = fmt.write_tensor_file(tmp / name, fmt.TensorStream(specs, cu.stream_save(engine, saves)),
+                                        {"format": fmt.FORMAT_NAME, "rank": str(rank)})
     files[fmt.rng_file(rank)] = fmt.write_json(tmp / fmt.rng_file(rank), cs.rng_state())
     if rank == 0:
         files[fmt.MODEL_STATES_FILE] = fmt.write_tensor_file(tmp / fmt.MODEL_STATES_FILE, cs.model_states(engine))
@@ -175,11 +181,12 @@ def _commit(save_dir: Path, tmp: Path, tag: str, meta: dict) -> None:
 
 @dataclass
 class _LoadPlan:
-    """Everything one rank will set, read and checked before anything in the engine changes."""
+    """Everything one rank will set, planned and checked before anything in the engine changes; the
+    units' values are read later, one unit at a time ([Note: streaming checkpoints] in units.py)."""
 
     meta: dict
-    units: list[tuple[torch.Tensor, dict]] = field(default_factory=list)  # per sharded unit: values, state
-    tensor_states: dict[int, dict] = field(default_factory=dict)  # master index -> per-parameter state
+    files: fmt.CheckpointFiles
+    units: list[cu.UnitLoad] = field(default_factory=list)
     module_states: dict[str, torch.Tensor] = field(default_factory=dict)
     rng: Optional[dict] = None
     client_state: dict = field(default_factory=dict)
@@ -190,8 +197,8 @@ def load_checkpoint(engine: CheckpointEngine, load_dir, tag: Optional[str] = Non
                     load_lr_scheduler: bool = True) -> dict:
     """Resume `engine` from a checkpoint saved at any world size or stage; returns its client_state.
 
-    Every rank must call it. On any error (raised as CheckpointError on every rank) the engine and
-    the checkpoint are left unchanged.
+    Every rank must call it. On an error found while planning (raised as CheckpointError on every
+    rank) the engine and the checkpoint are left unchanged; see the module docstring.
     """
     plan, error = None, None
     try:
@@ -200,15 +207,31 @@ def load_checkpoint(engine: CheckpointEngine, load_dir, tag: Optional[str] = Non
             plan.lr_scheduler = None
     except Exception as err:  # agreed on below: either every rank applies, or none does
         error = err
+    _agree(engine, error, "could not load the checkpoint")
+    error = None
+    try:
+        _load_units(engine, plan)
+    except Exception as err:  # agreed on below, so no rank waits in after_step for a failed one
+        error = err
+    _agree(engine, error, "failed while reading the checkpoint's values",
+           note="; the engine now holds a mix of its old and the loaded states: load a checkpoint again before "
+                "training")
+    _apply_load(engine, plan)
+    plan.files.close()
+    return plan.client_state
+
+
+def _agree(engine: CheckpointEngine, error: Optional[Exception], what: str, note: str = "") -> None:
+    """Raise on every rank if any rank failed (note: a collective); `note` is added to the message."""
     messages = comm.all_gather_object(None if error is None else _message(error), engine.process_group)
     if error is not None:
-        raise error if isinstance(error, CheckpointError) else CheckpointError(_message(error)) from error
+        if isinstance(error, CheckpointError) and not note:
+            raise error
+        raise CheckpointError(_message(error) + note) from error
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         rank, msg = failed[0]
-        raise CheckpointError(f"rank {rank} could not load the checkpoint: {msg}")
-    _apply_load(engine, plan)
-    return plan.client_state
+        raise CheckpointError(f"rank {rank} {what}: {msg}{note}")
 
 
 def _message(error: Exception) -> str:
@@ -227,16 +250,9 @@ def _prepare_load(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> _Lo
                               f"but the engine's optimizer is {cls}{' in LARC' * bool(larc)}; use the same "
                               f"optimizer, or load only the weights (zerodp.consolidate_checkpoint)")
     files = fmt.CheckpointFiles(tag_dir, meta)
-    plan = _LoadPlan(meta)
-    names = cs.canonical_names(engine)
-    for unit, master in cs.sharded_units(engine):
-        if master is None:
-            plan.units.append((cs.assemble_frozen_shard(unit, names, files), {}))
-        else:
-            device = cs.scalar_state_device(engine, master)
-            plan.units.append(cs.assemble_master(unit, master, names, meta, files, device))
-            if unit.layout.whole_tensors:
-                plan.tensor_states[cs.master_index(engine, master)] = cs.load_tensor_states(unit, names, meta, files)
+    plan = _LoadPlan(meta, files, cu.plan_load(engine, meta))
+    for name in sorted(cu.files_needed(plan.units)):
+        files.path(name)  # exists and matches its checksum (read in blocks: nothing is held)
     sharded = {id(p) for unit, _ in cs.sharded_units(engine) for p in unit.params}
     live = engine.module.state_dict(keep_vars=True)
     for key, entry in current.items():
@@ -252,21 +268,16 @@ def _prepare_load(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> _Lo
     return plan
 
 
+def _load_units(engine: CheckpointEngine, plan: _LoadPlan) -> None:
+    """Masters, optimizer state and frozen shards, one unit at a time (nothing else is held)."""
+    for load in plan.units:
+        cu.load_unit(engine, load, plan.files)
+
+
 @torch.no_grad()
 def _apply_load(engine: CheckpointEngine, plan: _LoadPlan) -> None:
+    """Everything but the units' values: hyper-parameters, buffers, scaler, schedule, counters, RNG."""
     meta = plan.meta
-    optimizer = engine.optimizer
-    for (unit, master), (values, state) in zip(cs.sharded_units(engine), plan.units):
-        if master is None:
-            unit.param_shard.copy_(values)
-            continue
-        master.copy_(values)
-        optimizer.load_state_of(cs.master_index(engine, master), state)
-        if unit.layout.whole_tensors:
-            optimizer.load_tensor_states_of(cs.master_index(engine, master),
-                                            plan.tensor_states[cs.master_index(engine, master)])
-        if unit.param_shard.data_ptr() != master.data_ptr():
-            unit.param_shard.copy_(master)  # mixed precision: the model's shard, downcast
     for user, group in cs.inner_groups(engine):
         saved = meta["optimizer"]["groups"].get(str(user), {})
         group.update({k: cs.decode_hyper(v) for k, v in saved.items() if k in group})

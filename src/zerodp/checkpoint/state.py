@@ -1,13 +1,14 @@
 """What a checkpoint holds of an engine, and how a new layout finds its part of it (resharding).
 
 Saving side: `describe_tensors` names every tensor of the model's state_dict (trainable, frozen or
-buffer; tied aliases; true shapes even where a parameter is partitioned), and `shard_payload`
-lists this rank's slices: for each segment of each sharded unit (see `partition.Segment`), the fp32
-master and every elementwise optimizer state tensor, keyed by parameter name and element range.
+buffer; tied aliases; true shapes even where a parameter is partitioned), and a rank's shard file
+holds its slices (`units.plan_save`): for each segment of each sharded unit (see
+`partition.Segment`), the fp32 master and every elementwise optimizer state tensor, keyed by
+parameter name and element range.
 
-Loading side: `assemble_master` builds one unit's new master shard and optimizer state by
-intersecting each of its segments with the saved ones (`format.overlapping`), reading
-only those slices. Padding elements stay zero. Non-elementwise state (Adam's `step`) is per master
+Loading side: `units.plan_load` finds one unit's new master shard and optimizer state by
+intersecting each of its segments with the saved ones (`format.overlapping`), and `units.load_unit`
+reads only those slices. Padding elements stay zero. Non-elementwise state (Adam's `step`) is per master
 tensor: a new master takes the value of the saved units it overlaps, which must agree (they do
 when a group's parameters step together), and a shard of padding only takes its group's value.
 
@@ -26,7 +27,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import format as fmt
 from ..errors import CheckpointError
 from ..optim.larc import LARC
 from ..optim.optimizer_list import OptimizerList
@@ -101,73 +101,7 @@ def master_index(engine: CheckpointEngine, master: torch.Tensor) -> int:
     return next(i for i, m in enumerate(engine.optimizer.masters) if m is master)
 
 
-# -- saving: this rank's slices, scalars, RNG ----------------------------------------------------
-
-
-def shard_payload(engine: CheckpointEngine):
-    """This rank's slices of every sharded unit, one entry per parameter segment (views, no copies):
-    the fp32 master and elementwise optimizer state of trainable units, the values of frozen ones."""
-    names = canonical_names(engine)
-    tensors: dict[str, torch.Tensor] = {}
-    segments, units = [], []
-    for unit, master in sharded_units(engine):
-        if (unit.layout.num_shards == 1 and engine.rank != 0) or engine.sharding.replica_index != 0:
-            continue  # replicated on every rank (stage 0) or in every MiCS block: the first copy is enough
-        st = engine.optimizer.state_of(master_index(engine, master)) if master is not None else {}
-        sources = {fmt.MASTER: master} if master is not None else {fmt.FROZEN: unit.param_shard}
-        elementwise = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == master.shape}
-        sources.update(sorted(elementwise.items()))
-        scalars = {k: encode_scalar(k, v) for k, v in st.items() if k not in elementwise}
-        index = len(units)
-        units.append({"group": unit.group_index if master is not None else -1, "state_keys": sorted(elementwise),
-                      "scalars": scalars})
-        if master is not None and unit.layout.whole_tensors:
-            units[-1]["param_state"] = _save_tensor_states(engine, unit, master, names, tensors)
-        for seg in unit.layout.segments(unit.shard_index):
-            name = names[id(unit.params[seg.param_index])]
-            sl = slice(seg.shard_start, seg.shard_start + seg.numel)
-            for kind, source in sources.items():
-                tensors[fmt.tensor_key(kind, name, seg.param_start, seg.param_end)] = source.detach()[sl]
-            segments.append((name, seg.param_start, seg.param_end, index))
-    return tensors, segments, units
-
-
-def _save_tensor_states(engine: CheckpointEngine, unit, master, names: dict, tensors: dict) -> dict:
-    """Whole-tensor unit: put each owned parameter's state tensors into `tensors`; returns the
-    unit entry's `param_state`: {name: {"tensors": [keys], "scalars": {key: encoded}}}."""
-    out = {}
-    for param_index, state in engine.optimizer.tensor_states_of(master_index(engine, master)).items():
-        name = names[id(unit.params[param_index])]
-        entry = out[name] = {"tensors": [], "scalars": {}}
-        for key, value in sorted(state.items()):
-            if torch.is_tensor(value):
-                tensors[fmt.tensor_key(f"param_state.{key}", name, 0, 0)] = value.detach().contiguous()
-                entry["tensors"].append(key)
-            else:
-                entry["scalars"][key] = encode_scalar(key, value)
-    return out
-
-
-def load_tensor_states(unit, names: dict, meta: dict, files: fmt.CheckpointFiles) -> dict[int, dict]:
-    """Whole-tensor unit: the saved optimizer state of each parameter this rank owns now, keyed by
-    its position in the unit's layout (empty where the checkpoint has none: saved before any step)."""
-    out = {}
-    for seg in unit.layout.segments(unit.shard_index):
-        name = names[id(unit.params[seg.param_index])]
-        saved = meta["segments"].get(name, [])
-        entries = [(rank, meta["units"][rank][index].get("param_state")) for rank, _, _, index in saved]
-        if any(entry is None for _, entry in entries):
-            raise CheckpointError(f"{name}: the checkpoint keeps its optimizer state per element, but this "
-                                  f"engine's optimizer reads whole tensors; use the optimizer it was saved with")
-        owners = [(rank, entry[name]) for rank, entry in entries if name in entry]
-        if not owners:
-            continue  # no state yet (saved before the first step)
-        rank, entry = owners[0]
-        reader = files.tensors(fmt.shard_file(rank, meta["world_size"]))
-        state = {k: reader.get_tensor(fmt.tensor_key(f"param_state.{k}", name, 0, 0)) for k in entry["tensors"]}
-        state.update({k: decode_scalar(v, torch.device("cpu")) for k, v in entry["scalars"].items()})
-        out[seg.param_index] = state
-    return out
+# -- saving: scalars, RNG ------------------------------------------------------------------------
 
 
 def encode_scalar(key: str, value: Any) -> dict:
@@ -283,49 +217,3 @@ def check_same_model(saved: dict, current: dict, where) -> None:
                                                              for k in both if saved[k]["group"] != current[k]["group"]])
     if problems:
         raise CheckpointError(f"checkpoint {where} does not match this model:\n  " + "\n  ".join(problems))
-
-
-def assemble_master(unit, master: torch.Tensor, names: dict, meta: dict, files: fmt.CheckpointFiles,
-                    scalar_device: torch.device) -> tuple[torch.Tensor, dict]:
-    """This rank's new master shard and optimizer state for one unit, from the overlapping saved slices."""
-    new_master = torch.zeros_like(master)  # padding stays zero
-    tensors: dict[str, torch.Tensor] = {}
-    state_keys, scalars = None, None
-    for seg in unit.layout.segments(unit.shard_index):
-        name = names[id(unit.params[seg.param_index])]
-        for rank, start, end, index, lo, hi in fmt.overlapping(meta["segments"].get(name, []),
-                                                               seg.param_start, seg.param_end):
-            saved = meta["units"][rank][index]
-            file = fmt.shard_file(rank, meta["world_size"])
-            if state_keys is None:
-                state_keys, scalars = saved["state_keys"], saved["scalars"]
-            elif saved["state_keys"] != state_keys or saved["scalars"] != scalars:
-                raise CheckpointError(
-                    f"parameters saved in different optimizer states end up in one shard here (e.g. {name}: "
-                    f"{saved['scalars']} vs {scalars}); zerodp can only merge state that agrees, as it does "
-                    f"when a group's parameters step together")
-            dst = slice(seg.shard_start + lo - seg.param_start, seg.shard_start + hi - seg.param_start)
-            for key in [fmt.MASTER] + state_keys:
-                piece = files.read_slice(file, fmt.tensor_key(key, name, start, end), lo - start, hi - start)
-                if key == fmt.MASTER:
-                    new_master[dst] = piece
-                    continue
-                if key not in tensors:
-                    tensors[key] = torch.zeros(master.shape, dtype=piece.dtype, device=master.device)
-                tensors[key][dst] = piece
-    if state_keys is None:  # a shard of padding only: the state its group's other shards have
-        saved = next((u for units in meta["units"] for u in units if u["group"] == unit.group_index), None)
-        state_keys, scalars = (saved["state_keys"], saved["scalars"]) if saved else ([], {})
-        tensors = {k: torch.zeros_like(master) for k in state_keys}
-    state = dict(tensors)
-    state.update({k: decode_scalar(v, scalar_device) for k, v in scalars.items()})
-    return new_master, state
-
-
-def assemble_frozen_shard(unit, names: dict, files: fmt.CheckpointFiles) -> torch.Tensor:
-    """This rank's new shard of a frozen unit (stage 3), whether saved in segments or whole."""
-    shard = torch.zeros_like(unit.param_shard)
-    for seg in unit.layout.segments(unit.shard_index):
-        name = names[id(unit.params[seg.param_index])]
-        shard[seg.shard_start:seg.shard_start + seg.numel] = files.read_value(name, seg.param_start, seg.param_end)
-    return shard

@@ -220,10 +220,13 @@ class OffloadedOptimizerState:
             self.write_wait_s += time.perf_counter() - start
 
     @contextlib.contextmanager
-    def resident(self, chunk_indices: list[int]):
+    def resident(self, chunk_indices: list[int], read: bool = True, write: bool = True):
         """Hold the state of these chunks in `optimizer.state` for the block (checkpoints read and
-        replace it there), then store it again. Reads and writes synchronously, chunk by chunk."""
-        for i in chunk_indices:
+        replace it there), then store it again. Reads and writes synchronously, chunk by chunk.
+
+        `read=False`: the block replaces the state without looking at it (a load), so nothing is read.
+        `write=False`: the block only reads it (a save), so it is dropped, not written back."""
+        for i in chunk_indices if read else ():
             chunk, window = self.chunks[i], self._chunk_window(i)
             store, offset = self._store_of(window)
             offset += self.offsets[i] - window.start
@@ -241,10 +244,16 @@ class OffloadedOptimizerState:
                 state = self.optimizer.state.get(chunk, {})
                 keys = _elementwise(state, chunk)
                 for k in keys:
-                    self._ensure_key(k, state[k].dtype)
-                    store.write(k, offset, state[k].reshape(-1).contiguous()).wait()
+                    if write:
+                        self._ensure_key(k, state[k].dtype)
+                        store.write(k, offset, state[k].reshape(-1).contiguous()).wait()
                     del state[k]
-                self.stored[i] = tuple(keys)
+                if write:
+                    self.stored[i] = tuple(keys)
+
+    def stored_dtypes(self, chunk_index: int) -> dict[str, torch.dtype]:
+        """The elementwise state keys of a chunk held in the store, with their dtypes (nothing is read)."""
+        return {k: self.keys[k] for k in self.stored[chunk_index]}
 
     def chunk_indices(self, chunks: list[torch.Tensor]) -> list[int]:
         return [self.index[id(c)] for c in chunks]

@@ -20,7 +20,8 @@ Who calls what (every call site is one line in its own module):
     FlatUnit.unshard / wait_for_unshard   acquire / release around the all-gather that reads the shard
     FlatUnit.write_back                   acquire / release(dirty=True)
     ShardedOptimizer                      resident(shards, dirty=True) around each part of the step
-    engine checkpoints                    all_resident(dirty=...)
+    checkpoints (checkpoint/units.py)     resident([one unit's shard], dirty=...) via engine.shards_resident
+    engine.full_state_dict                all_resident()
 
 [Note: parameter read-ahead] The order in which shards are acquired is the stage-3 schedule's order
 of gathers, prefetches included (stage3/schedule.py, stage3/prefetch.py), followed by the optimizer
@@ -216,7 +217,7 @@ class ShardStore:
 
     @contextlib.contextmanager
     def all_resident(self, dirty: bool = False):
-        """Hold every shard resident for the block (checkpoints: they read every shard at once)."""
+        """Hold every shard resident for the block (full_state_dict reads every shard at once)."""
         with self.resident([e.shard for e in self.entries.values()], dirty=dirty):
             yield
 

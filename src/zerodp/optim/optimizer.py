@@ -144,17 +144,33 @@ class ShardedOptimizer:
         units = self.units if units is None else units
         return self.param_home.resident([units[i].param_shard for i in indices], dirty=dirty)
 
-    def _resident(self, index: int):
-        """Offload: hold master `index`'s optimizer state in memory for a block."""
+    def _resident(self, index: int, read: bool = True, write: bool = True):
+        """Offload: hold master `index`'s optimizer state in memory for a block (`read`: its stored
+        values are needed; `write`: the block changes them)."""
         if self.offload is None:
             return contextlib.nullcontext()
-        return self.offload.resident(self.offload.chunk_indices(self.chunks[index]))
+        return self.offload.resident(self.offload.chunk_indices(self.chunks[index]), read=read, write=write)
 
     def state_of(self, index: int) -> dict:
         """Master `index`'s optimizer state: elementwise tensors shaped like the master (copies), and
         scalars (e.g. Adam's `step`). Empty before the first step."""
-        with self._resident(index):
+        with self._resident(index, write=False):  # copies are returned: the stored state is unchanged
             return self._state_of(index)
+
+    def state_spec_of(self, index: int) -> tuple[dict[str, torch.dtype], dict]:
+        """What `state_of(index)` would return, without reading offloaded state: the elementwise keys
+        with their dtypes, and the scalars (copies). Checkpoints write a file's header from it."""
+        if self.whole[index] or not self.chunks[index]:
+            return {}, {}
+        first = self.chunks[index][0]
+        state = self.optimizer.state.get(first, {})
+        elementwise = {k: v.dtype for k, v in state.items() if torch.is_tensor(v) and v.shape == first.shape}
+        if self.offload is not None:
+            elementwise.update(self.offload.stored_dtypes(self.offload.index[id(first)]))
+        if not state and not elementwise:
+            return {}, {}
+        scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items() if k not in elementwise}
+        return elementwise, scalars
 
     def _state_of(self, index: int) -> dict:
         if self.whole[index]:
@@ -174,22 +190,26 @@ class ShardedOptimizer:
         """Whole-tensor unit `index`: each owned parameter's optimizer state (copies), keyed by its
         position in the unit's layout, exactly as torch keeps it for that parameter."""
         out = {}
-        for seg, chunk in zip(self.units[index].layout.segments(self.units[index].shard_index), self.chunks[index]):
-            state = self.optimizer.state.get(chunk, {})
-            out[seg.param_index] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        with self._resident(index, write=False):  # offload: the state shaped like its parameter is stored
+            for seg, chunk in zip(self.units[index].layout.segments(self.units[index].shard_index),
+                                  self.chunks[index]):
+                state = self.optimizer.state.get(chunk, {})
+                out[seg.param_index] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
         return out
 
     def load_tensor_states_of(self, index: int, states: dict[int, dict]) -> None:
         """Replace the per-parameter state of whole-tensor unit `index` (the form `tensor_states_of` returns)."""
-        for seg, chunk in zip(self.units[index].layout.segments(self.units[index].shard_index), self.chunks[index]):
-            self.optimizer.state.pop(chunk, None)
-            if states.get(seg.param_index):
-                self.optimizer.state[chunk] = {k: v.to(chunk.device) if torch.is_tensor(v) and v.dim() > 0 else v
-                                               for k, v in states[seg.param_index].items()}
+        with self._resident(index, read=False):
+            for seg, chunk in zip(self.units[index].layout.segments(self.units[index].shard_index),
+                                  self.chunks[index]):
+                self.optimizer.state.pop(chunk, None)
+                if states.get(seg.param_index):
+                    self.optimizer.state[chunk] = {k: v.to(chunk.device) if torch.is_tensor(v) and v.dim() > 0
+                                                   else v for k, v in states[seg.param_index].items()}
 
     def load_state_of(self, index: int, state: dict) -> None:
         """Replace master `index`'s optimizer state with `state` (the form `state_of` returns)."""
-        with self._resident(index):
+        with self._resident(index, read=False):  # replaced whole: the stored values are not needed
             self._load_state_of(index, state)
 
     def _load_state_of(self, index: int, state: dict) -> None:
