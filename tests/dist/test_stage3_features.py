@@ -111,37 +111,6 @@ def test_each_unit_moves_three_psi_per_step_within_the_budget(dist_run, world):
         assert r["live_after"] == 0
 
 
-def prefetch_depth_run() -> dict:
-    model = gpt()
-    # one unit per module with parameters (Linear, LayerNorm, Embedding), none kept whole: units of unequal
-    # sizes, so an element budget of the largest unit would hold several small ones ahead
-    cfg = {"zero_optimization": {"stage": 3, "stage3_unit_min_params": 1, "stage3_param_persistence_threshold": 0}}
-    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
-    ahead = []  # module units with a gather in flight or done and nobody holding it, at every hook
-
-    def look(*_):
-        ahead.append(len({f.module_name for f in engine.sharding.flats
-                          if f.holders == 0 and f.state.name != "SHARDED"}))
-    for m in model.modules():
-        m.register_forward_pre_hook(look)
-        m.register_forward_hook(look)
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(look)
-    for step in range(3):  # step 0 records the order; steps 1-2 prefetch
-        x, y = tokens(step)
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
-    sizes = {mu.gathered_numel for mu in engine.sharding.module_units if not mu.is_root}
-    return {"ahead": ahead, "unit_sizes": sorted(sizes)}
-
-
-@pytest.mark.parametrize("world", [2], indirect=True)
-def test_default_prefetch_is_one_unit_ahead(dist_run, world):
-    for r in dist_run(world, prefetch_depth_run):
-        assert len(r["unit_sizes"]) > 2, "units of several sizes (else the element budget would be one unit too)"
-        assert max(r["ahead"]) == 1, f"prefetched module units ahead, over the step: {sorted(set(r['ahead']))}"
-
-
 # -- memory -----------------------------------------------------------------------------------------
 
 

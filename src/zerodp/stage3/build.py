@@ -83,18 +83,17 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
             owned.append(flat)
         if owned or plan.module is model:
             owned_by_unit.append((plan, owned))
-    prefetch_numel, prefetch_units = zero.stage3_prefetch_bucket_size, None
+    prefetch_numel = zero.stage3_prefetch_bucket_size
     if prefetch_numel is None:
-        # Default: one module unit ahead, as FSDP prefetches (within the largest unit below the root, so
-        # any one unit fits). Enough to overlap each gather with the previous unit's compute; more only
-        # holds more gathered memory (measured on the 33.7M benchmark GPT: 50M elements ahead, DeepSpeed's
-        # default, peaks 110 MiB higher per rank than one unit ahead; see prefetch.py for the unit count).
-        prefetch_units = 1
+        # Default: one unit ahead (the largest unit below the root), as FSDP prefetches. Enough to overlap
+        # each gather with the previous unit's compute; a larger budget only holds more gathered memory
+        # (measured on the 33.7M benchmark GPT: 50M elements ahead, DeepSpeed's default, peaks 110 MiB
+        # higher per rank than one unit ahead).
         prefetch_numel = max((sum(f.layout.padded_numel for f in owned if not f.persistent)
                               for plan, owned in owned_by_unit if plan.module is not model), default=0)
     inference = InferenceCache(shards, params[0].device, flats[0].gathered.tensor.element_size(),
                                zero.stage3_inference_memory_fraction, zero.stage3_max_live_parameters)
-    schedule = Schedule(flats, shards, prefetch_numel, zero.stage3_max_live_parameters, inference, prefetch_units)
+    schedule = Schedule(flats, shards, prefetch_numel, zero.stage3_max_live_parameters, inference)
     module_units = [ModuleUnit(plan.module, plan.name, owned, schedule, is_root=plan.module is model)
                     for plan, owned in owned_by_unit]
     return Stage3Sharding(model, module_units, flats, shards, schedule, zero.overlap_comm, param_home=param_home,

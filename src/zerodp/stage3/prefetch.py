@@ -8,13 +8,7 @@ their all-gathers overlap the current unit's compute. Nothing is prefetched on t
 Budget, in elements of gathered (full) parameters, persistent units excluded:
     ahead  = elements prefetched and not yet acquired   <= stage3_prefetch_bucket_size
     live   = every gathered buffer alive, held or not    <= stage3_max_live_parameters
-and, with stage3_prefetch_bucket_size unset, at most `units_ahead` (one) module units with gathers
-in flight or done and not yet acquired, as FSDP's default prefetch does. An element budget alone
-prefetches several small units: the auto-wrapped benchmark GPT's units are single Linear layers,
-and a budget of its largest unit (the 4.2M-element head) gathered a whole block and more ahead,
-16 MiB per rank at the step's peak (the start of backward) where one unit ahead holds 4 MiB;
-one unit still has a whole unit's compute to hide its gather behind.
-Prefetch stops at the first unit that would break a bound (units are never skipped: an
+Prefetch stops at the first unit that would break either bound (units are never skipped: an
 out-of-order gather only wastes memory). Gathers a forward or backward *needs* always proceed,
 so the live bound is max(stage3_max_live_parameters, what the model's nesting needs at once: the
 root's parameters plus the largest unit below it, for a flat stack of blocks).
@@ -78,11 +72,9 @@ class ExecutionOrder:
 class Prefetcher:
     """Issues the asynchronous gathers of upcoming units within the budget (module docstring)."""
 
-    def __init__(self, order: ExecutionOrder, bucket_numel: int, max_live_numel: int, shards: "ShardGroup",
-                 units_ahead: Optional[int] = None) -> None:
+    def __init__(self, order: ExecutionOrder, bucket_numel: int, max_live_numel: int, shards: "ShardGroup") -> None:
         self.order = order
         self.bucket_numel = bucket_numel
-        self.units_ahead = units_ahead  # most module units prefetched ahead (None: the element budget only)
         self.max_live_numel = max_live_numel
         self.shards = shards
         self._ahead: list["FlatUnit"] = []
@@ -97,15 +89,10 @@ class Prefetcher:
         if self.bucket_numel <= 0:
             return
         ahead = self.ahead_numel()
-        units = 0  # upcoming module units with a gather in flight or done, not yet acquired
         for upcoming in self.order.following(kind, unit):
-            if self.units_ahead is not None and units >= self.units_ahead:
-                break
             todo = [f for f in upcoming.gather_set if f.state is ShardState.SHARDED and not f.persistent]
             numel = sum(f.layout.padded_numel for f in todo)
             if numel == 0:
-                # nothing to gather: already prefetched (it counts as ahead), or held or persistent (it does not)
-                units += any(f in self._ahead for f in upcoming.gather_set)
                 continue
             if ahead + numel > self.bucket_numel or self.shards.live_numel + numel > self.max_live_numel:
                 break
@@ -113,4 +100,3 @@ class Prefetcher:
                 f.unshard()
                 self._ahead.append(f)
             ahead += numel
-            units += 1

@@ -30,10 +30,10 @@ class Schedule:
     """The pass state of one stage-3 model; see the module docstring."""
 
     def __init__(self, flats: list[FlatUnit], shards: ShardGroup, prefetch_numel: int, max_live_numel: int,
-                 inference: InferenceCache, prefetch_units: Optional[int] = None) -> None:
+                 inference: InferenceCache) -> None:
         self.flats = flats
         self.order = ExecutionOrder()
-        self.prefetcher = Prefetcher(self.order, prefetch_numel, max_live_numel, shards, prefetch_units)
+        self.prefetcher = Prefetcher(self.order, prefetch_numel, max_live_numel, shards)
         self.inference = inference
         self.in_backward = False
         self._stack: list["ModuleUnit"] = []
