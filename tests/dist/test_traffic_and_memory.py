@@ -3,11 +3,13 @@
 per rank equal to the formula (params, grads, optimizer) within 1% plus padding."""
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
 from zerodp import comm
+from zerodp.flat.reduce_queue import MAX_INFLIGHT
 from tests.dist.common import make_model, make_optimizer, micro_batch
 
 
@@ -65,6 +67,34 @@ def test_stage2_keeps_one_nth_of_gradients(dist_run, world):
         shard_bytes = r["padded"] // world * r["elem"]
         assert r["grad_bytes_after_backward"] == shard_bytes
         assert r["report"]["grads_bytes"] == shard_bytes
+
+
+def full_buffers_in_backward(stage: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(8)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())])
+    # one bucket per layer (272 elements), so backward completes eight buckets one after another
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               {"zero_optimization": {"stage": stage, "reduce_bucket_size": 300}})
+    alive = []  # full gradient buffers allocated, after every gradient (zerodp's hooks ran first)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda _: alive.append(sum(u.grads.full.nbytes > 0 for u in engine.units)))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    return {"alive": alive, "buckets": len(engine.units), "world": world}
+
+
+@pytest.mark.parametrize("world", [2])
+def test_stage2_full_gradient_buffers_are_bounded_in_backward(dist_run, world):
+    """Stage 2 frees each bucket's full gradient once its reduction is waited on; reductions in flight
+    are bounded, so at most MAX_INFLIGHT buckets being reduced plus the one filling exist at once
+    (unbounded, every bucket's full buffer lived to the end of backward)."""
+    for r in dist_run(world, full_buffers_in_backward, 2):
+        assert r["buckets"] >= MAX_INFLIGHT + 4
+        assert max(r["alive"]) <= MAX_INFLIGHT + 1, f"full buffers alive during backward: {r['alive']}"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

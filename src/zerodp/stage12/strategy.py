@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import comm
-from ..flat.reduce_queue import ReduceQueue
+from ..flat.reduce_queue import MAX_INFLIGHT, ReduceQueue
 from .buckets import GradBucket, ReducePolicy
 
 
@@ -34,8 +34,11 @@ class GradReducer:
         self.in_backward = False  # between start_micro_step and finish_micro_step: gradients are expected
         # collectives need the backend's device (NCCL: CUDA); the control flags are tiny
         device = buckets[0].param_buffer.tensor.device if buckets else torch.device("cpu")
-        # overlap_comm=false: each reduction completes before backward goes on
-        self.queue = ReduceQueue(process_group, device, async_op=overlap, max_inflight=None if overlap else 0,
+        # overlap_comm=false: each reduction completes before backward goes on. Stages 1-2 bound the reductions in
+        # flight (each holds buffers until waited on: see MAX_INFLIGHT); stage 0 all-reduces in place, into the
+        # buffer it keeps anyway, so waiting early would free nothing and it waits at the end, as DDP does.
+        inflight = MAX_INFLIGHT if policy.shard_optimizer else None
+        self.queue = ReduceQueue(process_group, device, async_op=overlap, max_inflight=inflight if overlap else 0,
                                  reduce_all=True)
         self._hooks = []
         for bucket in buckets:

@@ -24,7 +24,7 @@ small control all-reduce (`flat.reduce_queue.ReduceQueue.finish`) tells
 every rank how many rounds each unit needs (a "late" gradient after a unit's launch, as in a
 weight used by two re-entrant checkpointed regions, needs a second round). It launches round
 by round, in unit order, so the sequence of reductions is the same on every rank whatever each
-rank launched early. At most `_MAX_INFLIGHT` reductions are in flight (none with overlap_comm=false:
+rank launched early. At most `flat.reduce_queue.MAX_INFLIGHT` reductions are in flight (none with overlap_comm=false:
 each is waited on as soon as it is launched); a full gradient buffer
 exists from a unit's first gradient of the micro-step until its reduction is waited on, so a unit
 that never completes (a parameter unused in this micro-step) delays the units after it to the end
@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..flat.reduce_queue import ReduceQueue
+from ..flat.reduce_queue import MAX_INFLIGHT, ReduceQueue
 from .flat_unit import FlatUnit
 from .module_unit import ModuleUnit
 from .params import register_owner, unregister_owner
@@ -55,7 +55,6 @@ from .shard_group import ShardGroup
 
 log = logging.getLogger("zerodp")
 
-_MAX_INFLIGHT = 2
 _serial = itertools.count()  # orders strategies, so gathered_parameters gathers in one order everywhere
 
 
@@ -70,7 +69,7 @@ class Stage3Sharding:
         self.module = model
         self.param_home = param_home  # offload_param: offload.ShardStore of the sharded units' shards, or None
         self.grad_home = grad_home    # ... and of their gradient shards (fp32 offload_param nvme), or None
-        self.max_inflight = _MAX_INFLIGHT if overlap_comm else 0
+        self.max_inflight = MAX_INFLIGHT if overlap_comm else 0
         self.module_units = module_units
         self.root = module_units[0]
         self.flats = flats                                  # every flat unit, in index order
