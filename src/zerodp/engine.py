@@ -36,7 +36,7 @@ from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.build import build_optimizer_offload
 from .optim.build import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.optimizer import ShardedOptimizer, StepOutcome
-from .precision import LossScaler, PrecisionPolicy
+from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
 from .stage12.buckets import ReducePolicy, build_buckets
@@ -130,7 +130,7 @@ class ZeroEngine:
     def forward(self, *args, **kwargs):
         """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
         if self.precision.mixed and self.cast_inputs:
-            args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.precision.param_dtype)
         watchdog.activity.enter("forward")
         self.monitor.before_forward(self.global_step)
         with self._timed("forward"):
@@ -379,17 +379,6 @@ def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroCon
     policy = ReducePolicy.for_stage(config.stage, zero.reduce_scatter)
     buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size, whole, arithmetic)
     return GradReducer(buckets, process_group, zero.overlap_comm, policy, zero.allgather_bucket_size)
-
-
-def _cast_floats(obj, dtype: torch.dtype):
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        cast = [_cast_floats(o, dtype) for o in obj]
-        return type(obj)(cast) if not hasattr(obj, "_fields") else type(obj)(*cast)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,

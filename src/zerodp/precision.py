@@ -109,3 +109,16 @@ class LossScaler:
         self._hysteresis_left = int(state["hysteresis_left"])
         self._clean_steps = int(state["clean_steps"])
         self.overflows = int(state["overflows"])
+
+
+def cast_floats(obj, dtype: torch.dtype):
+    """`obj` (tensors in lists, tuples, named tuples and dicts) with every floating tensor cast to `dtype`:
+    a mixed-precision model's inputs, as the engine's forward receives them."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        cast = [cast_floats(o, dtype) for o in obj]
+        return type(obj)(cast) if not hasattr(obj, "_fields") else type(obj)(*cast)
+    if isinstance(obj, dict):
+        return {k: cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
