@@ -58,7 +58,7 @@ $(BENCH_VENV)/.installed:
 	touch $@
 
 bench: $(BENCH_VENV)/.installed
-	OMP_NUM_THREADS=1 $(BENCH_VENV)/bin/zerodp bench
+	OMP_NUM_THREADS=1 $(BENCH_VENV)/bin/python -m bench.harness
 
 clean:
 	rm -rf $(VENV) runs
@@ -67,4 +67,4 @@ clean:
 # not part of `make test`. NVME must be a directory on a fast local disk with ~50 GB free (24.6 GB per rank).
 NVME ?= /tmp
 bench-offload: setup
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 -m zerodp.bench.big_offload --nvme-path $(NVME) --size 3b --steps 3
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 -m bench.harness.big_offload --nvme-path $(NVME) --size 3b --steps 3

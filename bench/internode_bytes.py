@@ -47,7 +47,7 @@ def worker(mode: str, out: str) -> None:
 
     import zerodp
     from zerodp import comm
-    from zerodp.bench.models import BENCH_MODELS, synthetic_tokens
+    from bench.harness.models import BENCH_MODELS, synthetic_tokens
     from zerodp.examples.gpt import GPT, lm_loss
 
     comm.init_distributed()

@@ -21,10 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from zerodp.bench.live_memory import in_use_bytes
-from zerodp.bench.models import BENCH_MODELS
-from zerodp.bench.strategies import STRATEGIES
-from zerodp.bench.worker import mean_over_ranks, train_step
+from bench.harness.live_memory import in_use_bytes
+from bench.harness.models import BENCH_MODELS
+from bench.harness.strategies import STRATEGIES
+from bench.harness.worker import mean_over_ranks, train_step
 from zerodp.examples.gpt import GPT
 
 MIB = 2 ** 20

@@ -2,7 +2,7 @@
 
 import argparse
 
-from zerodp.bench import runner
+from bench.harness import runner
 
 
 def fake_run(name: str, step_s: float, losses=(3.0, 2.5)) -> list[dict]:

@@ -56,23 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench(sub) -> None:
-    from ..bench.runner import add_arguments
-
-    p = sub.add_parser("bench", help="zerodp's stages side by side with DDP, FSDP and DeepSpeed",
-                       description=_wrap("Run DDP, torch's ZeroRedundancyOptimizer, FSDP1, FSDP2, DeepSpeed (when "
-                                         "installed) and zerodp's stages in alternating rounds on local ranks; "
-                                         "report step time as a ratio to DDP, tokens/s, peak live and RSS memory, "
-                                         "model-state bytes against the formula, traffic and loss agreement, in "
-                                         "bench/RESULTS.md with a chart. Needs an otherwise idle machine."))
-    add_arguments(p)
-    p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("bench", help="(moved) the benchmark harness runs from a source checkout: make bench",
+                       description=_wrap("The side-by-side benchmark (DDP, ZeroRedundancyOptimizer, FSDP1/2, "
+                                         "DeepSpeed and zerodp's stages) is not part of the installed package: "
+                                         "from a checkout of the repository run `make bench` or "
+                                         "`python -m bench.harness --help`."))
+    p.set_defaults(func=lambda ns: _bench_moved([]))
 
 
-def _cmd_bench(ns: argparse.Namespace) -> int:
-    from ..bench.runner import run
-
-    run(ns)
-    return 0
+def _bench_moved(args: list[str]) -> int:
+    command = " ".join(["python -m bench.harness", *args])
+    print(f"zerodp bench: the benchmark harness is not part of the installed package; from a checkout of the "
+          f"repository run `make bench` or `{command}`", file=sys.stderr)
+    return 2
 
 
 def _add_train(sub) -> None:
@@ -345,6 +341,9 @@ def _cmd_consolidate(ns: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `zerodp` console script; returns the exit code."""
     parser = build_parser()
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["bench"] and not {"-h", "--help"} & set(args[1:2]):
+        return _bench_moved(args[1:])  # the harness's own options are not this parser's to check
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)

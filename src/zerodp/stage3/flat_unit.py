@@ -31,6 +31,7 @@ parameters to the strategy.
 
 from __future__ import annotations
 
+import time
 from enum import Enum, auto
 from typing import Optional
 
@@ -157,7 +158,9 @@ class FlatUnit:
     def wait_for_unshard(self) -> None:
         """Finish the gather; the parameters then hold their full values."""
         if self.state is ShardState.GATHERING:
+            start = time.perf_counter()
             self._gather_handle.wait()
+            self.shards.gather_wait_s += time.perf_counter() - start
             self._gather_handle = None
             if self.param_home is not None and self.secondary_shard is None:  # the gather no longer reads the shard
                 self.param_home.release(self.param_shard)

@@ -99,6 +99,7 @@ class ShardGroup:
         if device.type == "cuda" and torch.cuda.is_available():
             self.gather_stream = torch.cuda.Stream(device)
             self.reduce_stream = torch.cuda.Stream(device)
+        self.gather_wait_s = 0.0  # seconds the host has blocked waiting for gathers (profiling, the offload bench)
         self.live_numel = 0       # elements of gathered buffers allocated right now (persistent units excluded)
         self.peak_live_numel = 0
 

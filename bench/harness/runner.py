@@ -1,4 +1,4 @@
-"""`zerodp bench`: run strategies side by side in alternating rounds and report them as ratios.
+"""`python -m bench.harness` (`make bench`): run strategies side by side in alternating rounds and report them as ratios.
 
 Each round runs every strategy once, one after another (one torchrun job each), so that a drift of
 the machine during the run touches every strategy alike; odd rounds run them in reverse order, so
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Optional
 
 from .models import BENCH_MODELS
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the harness is not part of the installed package
 from .strategies import STRATEGIES
 
 MIB = 2 ** 20
@@ -37,15 +39,21 @@ PEERS_OF_STAGE = {0: ["ddp", "deepspeed0"], 1: ["torch_zero1", "deepspeed1"],
                   2: ["fsdp1_grad_op", "deepspeed2"], 3: ["fsdp1_full", "fsdp2", "deepspeed3"]}
 
 
+def _env() -> dict:
+    """The workers' environment: one thread each, and this checkout importable (`-m bench.harness.worker`)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+
+
 def available(name: str) -> bool:
     return not name.startswith("deepspeed") or importlib.util.find_spec("deepspeed") is not None
 
 
 def run_worker(name: str, model: str, steps: int, world: int, out: Path) -> Optional[list[dict]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "zerodp.bench.worker", "--strategy", name, "--model", model, "--steps", str(steps),
+           "-m", "bench.harness.worker", "--strategy", name, "--model", model, "--steps", str(steps),
            "--out", str(out)]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         print(f"  {name}: FAILED (see {out.with_suffix('.log')})", flush=True)
@@ -156,8 +164,8 @@ def compare(args) -> None:
     names = args.strategies or ([n for n in PEERS if available(n)] + [f"zerodp{s}" for s in args.stages])
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
-        raise SystemExit(f"zerodp bench: unknown strategies {unknown}; choose from {sorted(STRATEGIES)}")
-    out = Path(args.out or f"bench/results/{args.model}-{args.world_size}ranks")
+        raise SystemExit(f"bench: unknown strategies {unknown}; choose from {sorted(STRATEGIES)}")
+    out = Path(args.out or ROOT / f"bench/results/{args.model}-{args.world_size}ranks")
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -174,7 +182,7 @@ def compare(args) -> None:
     (out / "summary.md").write_text(text)
     title = f"{args.model} GPT, {args.world_size} ranks, median of {args.rounds} rounds"
     png = chart(rows, out / "chart.png", title)
-    command = "zerodp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    command = "python -m bench.harness " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     rel_png = os.path.relpath(png, results.parent) if png else None
@@ -185,7 +193,7 @@ def compare(args) -> None:
                          "formula = the ZeRO paper's model-state bytes for this rank.\n")
     print(text)
     if failed:  # the table above lacks them: say so and fail, never a silently shorter table
-        raise SystemExit(f"zerodp bench: {', '.join(failed)} failed in some round; their logs are in {out}")
+        raise SystemExit(f"bench: {', '.join(failed)} failed in some round; their logs are in {out}")
     print(f"wrote {results}" + (f" and {png}" if png else ""))
 
 
@@ -213,17 +221,17 @@ def interleaved(args) -> None:
     names = args.strategies or ([n for n in PEERS if not n.startswith("deepspeed")]
                                 + [f"zerodp{s}" for s in args.stages])
     if any(n.startswith("deepspeed") for n in names):
-        raise SystemExit("zerodp bench --interleaved: DeepSpeed cannot share a process with the other strategies "
+        raise SystemExit("bench --interleaved: DeepSpeed cannot share a process with the other strategies "
                          "(its initialize changes process-wide state); measure it with the rounds (no --interleaved)")
-    out = Path(args.out or f"bench/results/{args.model}-{args.world_size}ranks-interleaved")
+    out = Path(args.out or ROOT / f"bench/results/{args.model}-{args.world_size}ranks-interleaved")
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}",
-           "-m", "zerodp.bench.interleaved", "--strategies", *names, "--model", args.model,
+           "-m", "bench.harness.interleaved", "--strategies", *names, "--model", args.model,
            "--steps", str(args.steps), "--out", str(out / "interleaved.json")]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     (out / "interleaved.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise SystemExit(f"zerodp bench --interleaved: the run failed (see {out / 'interleaved.log'})")
+        raise SystemExit(f"bench --interleaved: the run failed (see {out / 'interleaved.log'})")
     rows = interleaved_rows(json.loads((out / "interleaved.json").read_text()))
     lines = ["| strategy | step s | x DDP (median per-step ratio) | CPU s/step/rank | losses vs DDP |",
              "|---|---|---|---|---|"]
@@ -231,7 +239,7 @@ def interleaved(args) -> None:
         lines.append(f"| {n} | {r['step_s']:.3f} | {_fmt(r['x_ddp'], '.3f')} | {r['cpu_s']:.3f} | "
                      f"{_agreement(r['loss_diff'])} |")
     text = "\n".join(lines) + "\n"
-    command = "zerodp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    command = "python -m bench.harness " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(f"# zerodp vs peers, interleaved\n\n`{command}` on {_machine()}; {args.model} GPT, "
@@ -243,7 +251,7 @@ def interleaved(args) -> None:
 
 def sweep(args) -> None:
     """Model-state bytes per rank at world sizes 1, 2, 4, measured and predicted, per stage."""
-    out = Path(args.out or f"bench/results/{args.model}-sweep")
+    out = Path(args.out or ROOT / f"bench/results/{args.model}-sweep")
     out.mkdir(parents=True, exist_ok=True)
     points = []
     for world in (1, 2, 4):
@@ -287,7 +295,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--strategies", nargs="+", default=None,
                     help=f"run exactly these (default: every peer available and the stages); from {sorted(STRATEGIES)}")
     ap.add_argument("--out", default=None, help="folder for per-run JSON and logs")
-    ap.add_argument("--results", default="bench/RESULTS.md", help="the Markdown report to write")
+    ap.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"), help="the Markdown report to write")
     ap.add_argument("--sweep", action="store_true", help="memory per rank at world sizes 1, 2, 4 vs the formula")
     ap.add_argument("--interleaved", action="store_true",
                     help="step time only: every strategy in one pair of processes, stepped in turn, so that "
@@ -295,7 +303,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="zerodp bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.harness", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     args = ap.parse_args(argv)

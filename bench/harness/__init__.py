@@ -1,4 +1,9 @@
-"""`zerodp bench`: zerodp's stages side by side with the peers, as a user would compare them.
+"""The benchmark harness: zerodp's stages side by side with the peers, as a user would compare them.
+
+It lives in the checkout, outside the installed package (`pip install zerodp` ships no harness that
+writes into the working directory). From the repository root: `make bench`, or
+
+    python -m bench.harness [--model tiny] [--strategies ddp zerodp3] [--interleaved] ...
 
     models.py        the benchmark GPTs and their synthetic token stream
     strategies.py    DDP, ZeroRedundancyOptimizer, FSDP1/2, DeepSpeed and zerodp behind one Runner

@@ -1,8 +1,8 @@
 """A GPT larger than this machine's memory, trained at stage 3 with NVMe offload of optimizer and parameters.
 
-    torchrun --nproc_per_node 2 -m zerodp.bench.big_offload --nvme-path /path/on/a/fast/disk --size 3b --steps 3
+    torchrun --nproc_per_node 2 -m bench.harness.big_offload --nvme-path /path/on/a/fast/disk --size 3b --steps 3
     make bench-offload NVME=/path/on/a/fast/disk            (the same, 3b, 3 steps)
-    torchrun --nproc_per_node 2 -m zerodp.bench.big_offload --nvme-path /tmp --size 80m --steps 2   (a check)
+    torchrun --nproc_per_node 2 -m bench.harness.big_offload --nvme-path /tmp --size 80m --steps 2   (a check)
 
 Not part of the test suite. The model is built under `zerodp.init_context` with `offload_param` nvme,
 so no rank ever holds it: each parameter's 1/N slice goes to its file as it is made. Every optimizer
@@ -41,9 +41,8 @@ import torch.nn.functional as F
 
 import zerodp
 
-from .. import comm
-from ..examples.gpt import GPT, GPTConfig
-from ..stage3.flat_unit import FlatUnit
+from zerodp import comm
+from zerodp.examples.gpt import GPT, GPTConfig
 from .models import synthetic_tokens
 
 SIZES = {
@@ -66,22 +65,6 @@ def make_config(nvme_path: str, micro_batch: int, block_numel: int) -> dict:
                               "max_in_cpu": 2 * block_numel, "buffer_size": 400_000_000},
         },
     }
-
-
-class GatherClock:
-    """Time blocked in FlatUnit.wait_for_unshard (the all-gather waits), for this benchmark only."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        original = FlatUnit.wait_for_unshard
-        clock = self
-
-        def timed(unit: FlatUnit) -> None:
-            start = time.perf_counter()
-            original(unit)
-            clock.seconds += time.perf_counter() - start
-
-        FlatUnit.wait_for_unshard = timed
 
 
 def io_waits(engine) -> tuple[float, float]:
@@ -172,14 +155,13 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"{args.size}: {numel / 1e9:.3f}e9 parameters, fp32 model states {16 * numel / 1e9:.1f} GB, "
               f"{world} ranks; built in {build_s:.1f}s, peak RSS so far {_peak_rss() / 2**30:.2f} GiB", flush=True)
-    gathers = GatherClock()
     losses, steps = [], []
     for step in range(args.steps):
         tokens = synthetic_tokens(0 if args.data == "fixed" else step, rank, args.micro_batch, args.seq_len,
                                   gpt.vocab_size)
         read0, write0 = io_waits(engine)
         bytes0 = io_bytes(engine)
-        gather0 = gathers.seconds
+        gather0 = engine.sharding.shards.gather_wait_s
         t0 = time.perf_counter()
         logits = engine(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().view(-1, gpt.vocab_size), tokens[:, 1:].reshape(-1))
@@ -192,7 +174,7 @@ def main(argv=None) -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-        gather_s = gathers.seconds - gather0
+        gather_s = engine.sharding.shards.gather_wait_s - gather0
         split = {"total": t2 - t0, "compute": (t1 - t0) - gather_s - (read1 - read0) - (write1 - write0),
                  "gathers": gather_s, "nvme_read": read2 - read0, "nvme_write": write2 - write0,
                  "optimizer": (t2 - t1) - (read2 - read1) - (write2 - write1)}

@@ -1,6 +1,6 @@
 """One benchmark run: one strategy on N ranks under torchrun; writes every rank's figures as JSON.
 
-    torchrun --standalone --nproc_per_node 2 -m zerodp.bench.worker --strategy zerodp3 --out x.json
+    torchrun --standalone --nproc_per_node 2 -m bench.harness.worker --strategy zerodp3 --out x.json
 
 The timed steps run first, with nothing else in the process; then MEMORY_STEPS more steps run under
 the live-memory sampler (its thread would perturb the timings) and, for zerodp, under comm.record()
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import comm
-from ..examples.gpt import GPT
+from zerodp import comm
+from zerodp.examples.gpt import GPT
 from .live_memory import PeakSampler
 from .models import BENCH_MODELS, synthetic_tokens
 from .strategies import STRATEGIES

@@ -1,6 +1,6 @@
 """Every strategy in one pair of processes, stepped in turn: step-time ratios that machine drift cannot skew.
 
-    torchrun --standalone --nproc_per_node 2 -m zerodp.bench.interleaved --strategies ddp zerodp3 --out x.json
+    torchrun --standalone --nproc_per_node 2 -m bench.harness.interleaved --strategies ddp zerodp3 --out x.json
 
 Why: on a shared 2-core VM the speed wanders by 10-15% within minutes, and runs of one strategy after
 another (runner.py's rounds) compare moments as much as strategies: in one session the same zerodp3
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..examples.gpt import GPT
+from zerodp.examples.gpt import GPT
 from .models import BENCH_MODELS
 from .strategies import STRATEGIES
 from .worker import mean_over_ranks, train_step

@@ -1,7 +1,7 @@
-"""DeepSpeed ZeRO-Infinity on the same GPT and settings as zerodp.bench.big_offload, for a side-by-side.
+"""DeepSpeed ZeRO-Infinity on the same GPT and settings as bench.harness.big_offload, for a side-by-side.
 
-    torchrun --nproc_per_node 2 -m zerodp.bench.deepspeed_infinity --nvme-path DIR --size 80m --steps 3   (a check)
-    torchrun --nproc_per_node 2 -m zerodp.bench.deepspeed_infinity --nvme-path DIR --size 3b --steps 3
+    torchrun --nproc_per_node 2 -m bench.harness.deepspeed_infinity --nvme-path DIR --size 80m --steps 3   (a check)
+    torchrun --nproc_per_node 2 -m bench.harness.deepspeed_infinity --nvme-path DIR --size 3b --steps 3
 
 Run it in the benchmark's environment (bench/.venv: DeepSpeed 0.19.8, which JIT-compiles its cpu_adam
 and async_io ops with ninja on first use; async_io needs the Debian package libaio-dev). Same model
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..examples.gpt import GPT
+from zerodp.examples.gpt import GPT
 from .big_offload import SIZES, _fixed_mmap_threshold, _peak_rss
 from .models import synthetic_tokens
 

@@ -1,0 +1,7 @@
+"""`python -m bench.harness`: see runner.py."""
+
+import sys
+
+from .runner import main
+
+sys.exit(main())
