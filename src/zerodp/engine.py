@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from . import comm
-from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
+from .checkpoint.state import set_rng_state
 from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
@@ -37,12 +38,11 @@ from .offload.build import build_optimizer_offload
 from .optim.build import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy, cast_floats
-from .preflight import check_same_model, optimizer_groups, trainable_parameters
+from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
 from .stage12.buckets import ReducePolicy, build_buckets
 from .stage12.strategy import GradReducer
 from .stage3 import build_stage3_sharding
-from .stage3.params import PartitionedParameter
 
 log = logging.getLogger("zerodp")
 
@@ -94,7 +94,7 @@ class ZeroEngine:
         # per param group: does its optimizer read whole tensors (Muon, Adafactor)? Then each rank owns
         # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
         whole = [needs_whole_tensors(m) for m in members(user_opt)]
-        self._broadcast_module_state()
+        broadcast_module_state(model, process_group)
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
         # communication/accumulation dtypes, pre/post divisors: one arithmetic for all stages (flat/grad_arithmetic.py)
@@ -316,11 +316,23 @@ class ZeroEngine:
         self.sync_written_shards()
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
-    def load_checkpoint(self, load_dir, tag: Optional[str] = None) -> dict:
-        """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state."""
+    def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
+        """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
+        `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
-        return load_checkpoint(self, load_dir, tag=tag)
+        resumed = read_checkpoint(self, load_dir, tag=tag, load_lr_scheduler=load_lr_scheduler)
+        self.scaler.load_state_dict(resumed.loss_scaler)
+        if resumed.lr_scheduler is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(resumed.lr_scheduler)
+        counters = resumed.counters
+        self.global_step, self.skipped_steps = counters["global_step"], counters["skipped_steps"]
+        same_accumulation = counters["gradient_accumulation_steps"] == self.gradient_accumulation_steps
+        self.micro_step = counters["micro_step"] if same_accumulation else self.global_step * self.gradient_accumulation_steps
+        self.sharding.after_step()  # note: a collective; re-assembles full parameters from the loaded shards
+        if resumed.rng is not None:  # ranks beyond the saved world size keep their own RNG states
+            set_rng_state(resumed.rng)
+        return resumed.client_state
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
@@ -357,16 +369,6 @@ class ZeroEngine:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-    # -- set-up helpers --------------------------------------------------------------------------
-
-    def _broadcast_module_state(self) -> None:
-        # note: every rank starts from rank 0's weights and buffers, as DDP does
-        with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
-                if isinstance(t, PartitionedParameter):
-                    continue  # created partitioned by zerodp.init_context: equal on every rank already
-                comm.broadcast(t.data, 0, self.process_group, tag="init")
 
 
 def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroConfig,

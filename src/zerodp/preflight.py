@@ -7,6 +7,7 @@ Both are refused with a message naming the first difference, before any state ex
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from . import comm
@@ -59,3 +60,14 @@ def optimizer_groups(model: nn.Module, optimizer) -> list[list[nn.Parameter]]:
     # Parameter order inside a group follows the model (not the optimizer), so every rank agrees.
     order = {id(p): i for i, p in enumerate(model.parameters())}
     return [sorted(g, key=lambda p: order[id(p)]) for g in groups]
+
+
+def broadcast_module_state(module: nn.Module, process_group: comm.ProcessGroup) -> None:
+    """Every rank starts from rank 0's weights and buffers, as DDP does (note: one broadcast per tensor)."""
+    from .stage3.params import PartitionedParameter
+
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            if isinstance(t, PartitionedParameter):
+                continue  # created partitioned by zerodp.init_context: equal on every rank already
+            comm.broadcast(t.data, 0, process_group, tag="init")

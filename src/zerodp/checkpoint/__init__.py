@@ -1,6 +1,6 @@
 """Checkpoints: sharded save and load at any world size or stage, consolidation to one state dict.
 
-    save_load.py     save_checkpoint, load_checkpoint (atomic commit, resharding on load)
+    save_load.py     save_checkpoint, read_checkpoint (atomic commit, resharding on load; the engine applies its own state)
     format.py        the on-disk format: file names, meta.json, safetensors files, checksums
     state.py         what a checkpoint holds of an engine, and how a new layout finds its part of it
     units.py         one unit's part of a checkpoint, saved and loaded one unit at a time (streaming)
@@ -9,7 +9,7 @@
 
 from ..errors import CheckpointError
 from .consolidate import consolidate_checkpoint, consolidate_main, full_state_dict, save_consolidated
-from .save_load import load_checkpoint, save_checkpoint
+from .save_load import Resumed, read_checkpoint, save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
+__all__ = ["save_checkpoint", "read_checkpoint", "Resumed", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
            "consolidate_main", "CheckpointError"]

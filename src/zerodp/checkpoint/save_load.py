@@ -43,7 +43,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -57,7 +57,7 @@ from .consolidate import consolidate_checkpoint, consolidate_main, full_state_di
 
 LR_SCHEDULER_FILE = "lr_scheduler.pt"  # rank 0: the learning-rate schedule's state_dict (optim.lr_schedules)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
+__all__ = ["save_checkpoint", "read_checkpoint", "Resumed", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
            "consolidate_main", "CheckpointError"]
 
 
@@ -193,9 +193,21 @@ class _LoadPlan:
     lr_scheduler: Optional[dict] = None
 
 
-def load_checkpoint(engine: CheckpointEngine, load_dir, tag: Optional[str] = None,
-                    load_lr_scheduler: bool = True) -> dict:
-    """Resume `engine` from a checkpoint saved at any world size or stage; returns its client_state.
+class Resumed(NamedTuple):
+    """What a load read for the engine to apply itself (`ZeroEngine.load_checkpoint`): checkpoints set the units'
+    values and the model's buffers through the seams, and never the engine's own state."""
+
+    client_state: dict
+    counters: dict                # global_step, micro_step, skipped_steps, gradient_accumulation_steps
+    loss_scaler: dict             # LossScaler.state_dict()
+    lr_scheduler: Optional[dict]  # None: none saved, or not asked for
+    rng: Optional[dict]           # this rank's RNG states (None: a rank beyond the saved world size)
+
+
+def read_checkpoint(engine: CheckpointEngine, load_dir, tag: Optional[str] = None,
+                    load_lr_scheduler: bool = True) -> Resumed:
+    """Load a checkpoint saved at any world size or stage into `engine`'s units, module and optimizer groups,
+    and return what the engine applies itself. Call `engine.load_checkpoint`, which does both.
 
     Every rank must call it. On an error found while planning (raised as CheckpointError on every
     rank) the engine and the checkpoint are left unchanged; see the module docstring.
@@ -218,7 +230,7 @@ def load_checkpoint(engine: CheckpointEngine, load_dir, tag: Optional[str] = Non
                 "training")
     _apply_load(engine, plan)
     plan.files.close()
-    return plan.client_state
+    return Resumed(plan.client_state, plan.meta["counters"], plan.meta["loss_scaler"], plan.lr_scheduler, plan.rng)
 
 
 def _agree(engine: CheckpointEngine, error: Optional[Exception], what: str, note: str = "") -> None:
@@ -276,7 +288,8 @@ def _load_units(engine: CheckpointEngine, plan: _LoadPlan) -> None:
 
 @torch.no_grad()
 def _apply_load(engine: CheckpointEngine, plan: _LoadPlan) -> None:
-    """Everything but the units' values: hyper-parameters, buffers, scaler, schedule, counters, RNG."""
+    """The model's and the optimizer's parts beside the units' values: hyper-parameters and buffers. What the
+    engine owns (scaler, schedule, counters, RNG, re-assembling the parameters) it applies from `Resumed`."""
     meta = plan.meta
     for user, group in cs.inner_groups(engine):
         saved = meta["optimizer"]["groups"].get(str(user), {})
@@ -284,18 +297,6 @@ def _apply_load(engine: CheckpointEngine, plan: _LoadPlan) -> None:
     live = engine.module.state_dict(keep_vars=True)
     for key, value in plan.module_states.items():
         live[key].data.copy_(value)
-    engine.scaler.load_state_dict(meta["loss_scaler"])
-    if plan.lr_scheduler is not None and getattr(engine, "lr_scheduler", None) is not None:
-        engine.lr_scheduler.load_state_dict(plan.lr_scheduler)
-    counters = meta["counters"]
-    engine.global_step = counters["global_step"]
-    engine.skipped_steps = counters["skipped_steps"]
-    same_accumulation = counters["gradient_accumulation_steps"] == engine.gradient_accumulation_steps
-    engine.micro_step = counters["micro_step"] if same_accumulation \
-        else counters["global_step"] * engine.gradient_accumulation_steps
-    engine.sharding.after_step()  # note: a collective; re-assembles full parameters from the loaded shards
-    if plan.rng is not None:  # ranks beyond the saved world size keep their own RNG states
-        cs.set_rng_state(plan.rng)
 
 
 # -- small collectives -------------------------------------------------------------------------------

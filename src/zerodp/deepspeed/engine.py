@@ -23,8 +23,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import load_checkpoint as _load_checkpoint
-from ..checkpoint import save_checkpoint as _save_checkpoint
 from ..config import ConfigError
 from ..engine import ZeroEngine
 
@@ -262,8 +260,8 @@ class DeepSpeedEngine:
         if not save_latest:
             raise ConfigError("save_checkpoint(save_latest=False) is not supported: zerodp's commit point is the "
                               "'latest' file; remove the argument")
-        path = _save_checkpoint(self.engine, save_dir, tag=None if tag is None else str(tag),
-                                client_state=dict(client_state or {}))
+        path = self.engine.save_checkpoint(save_dir, tag=None if tag is None else str(tag),
+                                           client_state=dict(client_state or {}))
         if self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             self.save_16bit_model(path, "model.safetensors")
         return True
@@ -279,8 +277,8 @@ class DeepSpeedEngine:
         from ..checkpoint.format import resolve_tag_dir
 
         path = resolve_tag_dir(load_dir, None if tag is None else str(tag))
-        client_state = _load_checkpoint(self.engine, load_dir, tag=None if tag is None else str(tag),
-                                        load_lr_scheduler=load_lr_scheduler_states)
+        client_state = self.engine.load_checkpoint(load_dir, tag=None if tag is None else str(tag),
+                                                   load_lr_scheduler=load_lr_scheduler_states)
         return str(path), client_state
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
