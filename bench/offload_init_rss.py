@@ -65,6 +65,8 @@ for s in range(STEPS):
 out["time_s"] = time.time() - t0
 numel = sum(p.numel() for p in model.parameters())
 if dist.get_rank() == 0 or True:
-    print(MODE, dist.get_rank(), f"numel={numel/1e6:.1f}M", json.dumps({k: (f"{v[0]/2**30:.2f}/{v[1]/2**30:.2f}" if isinstance(v, tuple) else round(v,1)) for k, v in out.items()}), losses, flush=True)
+    # one write of one line: the two ranks share the pipe, and a single write() below 4 KiB is not interleaved
+    line = " ".join([MODE, str(dist.get_rank()), f"numel={numel/1e6:.1f}M", json.dumps({k: (f"{v[0]/2**30:.2f}/{v[1]/2**30:.2f}" if isinstance(v, tuple) else round(v,1)) for k, v in out.items()}), str(losses)])
+    os.write(1, (line + "\n").encode())
 engine.close()
 import os; os._exit(0)  # engine.close() destroyed the process group zerodp created

@@ -40,8 +40,7 @@ def _run(mode: str, tmp: Path) -> dict[int, tuple[float, list]]:
                           str(_port()), str(SCRIPT), mode], capture_output=True, text=True, env=env, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     result = {}
-    for line in out.stdout.splitlines():
-        m = re.match(rf"^{mode} (\d) numel=([\d.]+)M (\{{.*\}}) (\[.*\])$", line)
+    for m in re.finditer(rf"{mode} (\d) numel=([\d.]+)M (\{{[^}}]*\}}) (\[[^\]]*\])", out.stdout):
         if m:
             assert float(m.group(2)) >= 200, "the acceptance asks for at least 200M parameters"
             phases = json.loads(m.group(3))

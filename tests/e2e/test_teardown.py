@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.teardown_check import check
 
-SUITE_RUNS = 10  # the 50-run check is `python tests/e2e/teardown_check.py --runs 50` (see its docstring)
+SUITE_RUNS = 6  # the 50-run check is `python tests/e2e/teardown_check.py --runs 50` (see its docstring)
 
 
 @pytest.mark.timeout(300)
