@@ -85,9 +85,23 @@ def test_mics_checkpoints_load_as_plain_stage3_and_back(dist_run, tmp_path, save
 
 @pytest.mark.parametrize("zero, message", [
     ({"mics_shard_size": 3}, "mics_shard_size=3 does not divide the 4 ranks"),
-    ({"mics_shard_size": 2, "mics_hierarchical_params_gather": True}, "mics_hierarchical_params_gather=true is not"),
     ({"mics_shard_size": 2, "zero_hpz_partition_size": 2}, "mics_shard_size with zero_hpz_partition_size is not"),
 ])
 def test_mics_refusals_name_the_problem(dist_run, zero, message):
     for got in dist_run(4, refusal, zero):
         assert message in got
+
+
+TWO_HOPS = {"mics_shard_size": 4, "mics_hierarchical_params_gather": True}
+
+
+def test_two_hop_gathers_are_exact_and_cross_nodes_with_a_share_of_the_bytes(dist_run):
+    """mics_hierarchical_params_gather ([Note: two-hop gathers]): one block of 4 ranks over 2 nodes x 2; the
+    gathers go across nodes one shard per node and then inside the node: the same parameters (exact against
+    plain PyTorch), half of the one-hop gather's bytes across nodes."""
+    results = dist_run(4, mics_case, "gpt_tied", TWO_HOPS)
+    ref_losses, ref_state, _ = reference_case("gpt_tied", 4)
+    assert_matches([(losses, state) for losses, state, _ in results], ref_losses, ref_state)
+    for (_, _, traffic), (_, _, plain) in zip(results, dist_run(4, mics_case, "gpt_tied", {})):
+        assert traffic["param:all_gather:inter"] == pytest.approx(plain["param:all_gather:inter"] / 2, rel=0.02)
+        assert traffic["param:all_gather:intra"] == pytest.approx(plain["param:all_gather:inter"], rel=0.02)

@@ -114,3 +114,16 @@ def strided_groups(size: int, group=None):
         if inside:
             mine = made
     return mine
+
+
+def subgroup_of(rank_lists: list[list[int]], group=None):
+    """Make one communicator per list of ranks (ranks of `group`, by position) and return the one this rank is in
+    (None if none). Every rank of the job calls it with the same lists, in the same order."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    me = dist.get_rank(group)
+    mine = None
+    for members in rank_lists:
+        made = dist.new_group([ranks[r] for r in members], backend=str(dist.get_backend(group)))
+        if me in members:
+            mine = made
+    return mine

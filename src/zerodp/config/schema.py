@@ -131,7 +131,9 @@ class ZeroOptimizationConfig(StrictModel):
                                  "replicas. The ranks per node (LOCAL_WORLD_SIZE) is HSDP. Exact (placement only); "
                                  "each rank holds 1/size of the states instead of 1/N. -1 (or the world size): off.")
     mics_hierarchical_params_gather: bool = Field(False, description="MiCS: gather a block that spans nodes in two "
-                                                  "hops. Not implemented: only false is accepted.")
+                                                  "hops, across nodes one shard per node and then inside each node, "
+                                                  "so that 1/(ranks per node) of the bytes cross nodes. Needs blocks "
+                                                  "of whole nodes; a block of every rank is allowed.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Make save_16bit_model (and every "
                                                             "save_checkpoint, as DeepSpeed does) also write the "
                                                             "consolidated weights in the compute dtype as safetensors.")

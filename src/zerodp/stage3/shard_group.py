@@ -42,7 +42,7 @@ from .. import comm
 from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..flat.buffer import alloc_storage
 from .hpz import SecondaryGroup
-from .mics import ReplicatedShards, close_replicated_shards
+from .mics import ReplicatedShards, all_gather_in_two_hops, close_replicated_shards
 
 
 class _StreamHandle:
@@ -125,6 +125,8 @@ class ShardGroup:
         if secondary:  # exact, inside the block: only the primary gather crosses nodes, so only it is quantized
             return comm.all_gather(full, shard, self.secondary.process_group, async_op=async_op, tag="param",
                                    what=what)
+        if ranges is None and self.replicated is not None and self.replicated.two_hops is not None:
+            return all_gather_in_two_hops(full, shard, self.replicated.two_hops, async_op, what)
         if ranges is None and self.quantized_weights:
             return all_gather_quantized(full, shard, self.process_group, async_op=async_op, tag="param", what=what)
         if ranges is None:
@@ -150,14 +152,14 @@ class ShardGroup:
         `ranges`: as in `unshard`."""
         if self.reduce_stream is None:
             handle = self._reduce_scatter(output, full, ranges, async_op=True, what=what)
-            if self.replicated is None:
+            if self.replicated is None or self.replicated.replicate_group is None:
                 return handle
             return comm.Handle(None, lambda: (handle.wait(), self._reduce_replicas(output, what)))
         stream = self.reduce_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._reduce_scatter(output, full, ranges, async_op=False, what=what)
-            if self.replicated is not None:
+            if self.replicated is not None and self.replicated.replicate_group is not None:
                 self._reduce_replicas(output, what)
             event = stream.record_event()
         full.record_stream(stream)  # allocated on the compute stream, read on this one
