@@ -16,8 +16,8 @@ it again); a single-file export (`export_safetensors_file`) keeps every name ins
 Memory: a safetensors header needs only names, dtypes and shapes, which meta.json has, so each file's
 header is written first and the values follow in `piece_bytes` pieces, each read from the rank file
 that holds it (`CheckpointFiles.iter_value`, plain preads, no mapping), upcast, written and dropped.
-Peak RSS above the interpreter is about two pieces (a piece and its fp32 upcast), whatever the size
-of the model or of its largest tensor (bench/results/consolidate_rss.md). Shards are split in
+Peak RSS above the interpreter is one piece (and the piece as read, when a bf16/fp16 tensor is
+upcast), whatever the size of the model or of its largest tensor (bench/results/consolidate_rss.md). Shards are split in
 state_dict order: a new file starts when the next tensor would take the current one past
 max_shard_bytes, and a tensor bigger than that gets a file of its own (as save_pretrained does).
 """
@@ -28,7 +28,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -167,22 +167,20 @@ def _write_file(path: Path, tensors: list[ExportedTensor], files: fmt.Checkpoint
                                        {"format": "pt", "producer": "zerodp"}))
         for t in tensors:
             written = 0
-            for piece in _pieces(files, t, piece_bytes):
+            # counted in the output dtype: a piece is at most piece_bytes once upcast (a bf16 piece is half that)
+            max_numel = max(1, piece_bytes // t.dtype.itemsize)
+            for piece in files.iter_value(t.source, 0, torch.Size(t.shape).numel(), max_numel):
+                piece = piece.to(t.dtype).contiguous()
                 f.write(fmt.tensor_bytes(piece))
                 written += piece.numel()
+                # dropped before the next piece is read: otherwise two pieces are alive at the peak
+                del piece
             if written != torch.Size(t.shape).numel():
                 raise CheckpointError(f"the checkpoint holds {written} elements of {t.source!r}, its metadata says "
                                       f"{torch.Size(t.shape).numel()}; the checkpoint is inconsistent")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _pieces(files: fmt.CheckpointFiles, t: ExportedTensor, piece_bytes: int) -> Iterator[torch.Tensor]:
-    # pieces are counted in the saved dtype's elements: a bf16 piece doubles when upcast, and stays bounded
-    max_numel = max(1, piece_bytes // t.dtype.itemsize)
-    for piece in files.iter_value(t.source, 0, torch.Size(t.shape).numel(), max_numel):
-        yield piece.to(t.dtype).contiguous()
 
 
 def _read_config(config_json) -> str:
