@@ -5,6 +5,7 @@
     state.py         what a checkpoint holds of an engine, and how a new layout finds its part of it
     units.py         one unit's part of a checkpoint, saved and loaded one unit at a time (streaming)
     consolidate.py   full fp32 state dicts from disk (no process group) or from a live engine
+    hf_export.py     streaming consolidation into the Hugging Face layout (sharded safetensors + index)
 """
 
 from ..errors import CheckpointError

@@ -6,7 +6,10 @@ against its sha256). `full_state_dict(engine)` gathers a live engine's fp32 mast
 keeping the result on rank 0 only (other ranks hold one staging buffer of at most
 `allgather_bucket_size` elements at a time, never a full copy).
 
-Both return model.state_dict()'s keys in its order: trainable parameters as fp32, frozen parameters
+`save_consolidated(dir, out)` writes it to disk without building it: a folder in the Hugging Face
+layout or one *.safetensors file, streamed (hf_export.py), or torch.save (*.pt, in memory).
+
+Both dicts hold model.state_dict()'s keys in its order: trainable parameters as fp32, frozen parameters
 and floating buffers upcast to fp32, integer buffers as saved. A tied parameter appears under every
 name as one tensor object, so `model.load_state_dict(sd, strict=True)` works on the plain model.
 """
@@ -27,6 +30,7 @@ from ..errors import CheckpointError
 from ..comm import chunk_ranges
 from ..seams import CheckpointEngine
 from . import format as fmt
+from .hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf, export_safetensors_file
 from .state import canonical_names, describe_tensors, sharded_units
 
 
@@ -46,15 +50,50 @@ def consolidate_checkpoint(ckpt_dir, tag: Optional[str] = None) -> dict[str, tor
     return out
 
 
-def save_consolidated(ckpt_dir, out_path, tag: Optional[str] = None) -> Path:
-    """Write `consolidate_checkpoint(ckpt_dir, tag)` to out_path: .safetensors, or .pt/.pth/.bin (torch.save)."""
-    return write_state_dict(consolidate_checkpoint(ckpt_dir, tag), out_path)
+FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+
+
+def output_layout(out_path) -> str:
+    """How `out_path` is written: "hf" (a folder, the Hugging Face layout: an existing directory, or a
+    name without a suffix), "safetensors" (one file, streamed) or "torch" (torch.save, *.pt/.pth/.bin)."""
+    out = Path(out_path)
+    if out.is_dir() or (out.suffix == "" and not out.exists()) or str(out_path).endswith(os.sep):
+        return "hf"
+    if out.suffix == ".safetensors":
+        return "safetensors"
+    if out.suffix in FILE_SUFFIXES:
+        return "torch"
+    raise CheckpointError(f"cannot tell the format of {out}: give a folder (Hugging Face layout: sharded "
+                          f"model-*.safetensors + index), or name a file *.safetensors, or *.pt/.pth/.bin for "
+                          f"torch.save")
+
+
+def save_consolidated(ckpt_dir, out_path, tag: Optional[str] = None, max_shard_size=None,
+                      config_json=None) -> Path:
+    """Write checkpoint `tag` (default: the latest) of `ckpt_dir` to `out_path` (see `output_layout`).
+
+    A folder gets the Hugging Face layout (`hf_export.export_hf`: shards of at most `max_shard_size`,
+    default 5GB, and `config_json` copied beside them); a *.safetensors file is one streamed file. Both
+    hold one piece of a tensor at a time, never the model. *.pt/.pth/.bin (torch.save) needs the whole
+    state dict in memory. Returns `out_path`.
+    """
+    layout = output_layout(out_path)
+    if layout != "hf" and (max_shard_size is not None or config_json is not None):
+        raise CheckpointError(f"a shard size and a model config apply to a folder output; {out_path} is a file "
+                              f"(drop the suffix to get the Hugging Face layout)")
+    if layout == "hf":
+        export_hf(ckpt_dir, out_path, tag, max_shard_size or DEFAULT_MAX_SHARD_SIZE, config_json)
+    elif layout == "safetensors":
+        export_safetensors_file(ckpt_dir, out_path, tag)
+    else:
+        write_state_dict(consolidate_checkpoint(ckpt_dir, tag), out_path)
+    return Path(out_path)
 
 
 def write_state_dict(state: dict[str, torch.Tensor], out_path) -> Path:
-    """Save a full state dict atomically (a temporary name, then a rename)."""
+    """Save a full state dict atomically (a temporary name, then a rename): *.safetensors or torch.save."""
     out = Path(out_path)
-    if out.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+    if out.suffix not in FILE_SUFFIXES:
         raise CheckpointError(f"cannot tell the format of {out}: name it *.safetensors, or *.pt/.pth/.bin "
                               f"for torch.save")
     if out.is_dir():
@@ -82,23 +121,47 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
 
 
 def consolidate_main(argv: Optional[list[str]] = None) -> int:
-    """`zerodp consolidate CKPT_DIR OUT [--tag TAG]`; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="zerodp consolidate",
-        description="Build the full fp32 model state dict from a zerodp checkpoint (no GPU, no process group).")
-    parser.add_argument("ckpt_dir", help="the directory given to engine.save_checkpoint")
-    parser.add_argument("out", help="output file: *.safetensors, or *.pt / *.pth / *.bin for torch.save")
-    parser.add_argument("--tag", default=None, help="which checkpoint (default: the one named in 'latest')")
+    """`zerodp consolidate CKPT_DIR OUT [--tag T] [--max-shard-size S] [--config C]`; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="zerodp consolidate", description=CLI_DESCRIPTION)
+    add_consolidate_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        state = consolidate_checkpoint(args.ckpt_dir, args.tag)
-        out = write_state_dict(state, args.out)
+        out = save_consolidated(args.ckpt_dir, args.out, args.tag, args.max_shard_size, args.config)
     except (CheckpointError, OSError) as err:
         print(f"zerodp consolidate: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
-    numel = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
-    print(f"zerodp consolidate: wrote {out} ({len(state)} tensors, {numel:,} elements)")
+    if out.is_dir():
+        weights = sorted(p.name for p in out.glob("model*.safetensors"))
+        what = f"{len(weights)} weight file{'s' if len(weights) > 1 else ''}" + \
+            (" + model.safetensors.index.json" if len(weights) > 1 else "")
+    else:
+        what = f"{out.stat().st_size / 2**20:,.1f} MiB"
+    print(f"zerodp consolidate: wrote {out} ({what})")
     return 0
+
+
+CLI_DESCRIPTION = ("Read the per-rank shards a run saved under CKPT_DIR (any stage, any world size; no GPU, no "
+                   "process group) and write the full fp32 model to OUT, loadable without zerodp. OUT a folder: "
+                   "the Hugging Face layout (model.safetensors, or model-0000k-of-0000n.safetensors shards and "
+                   "model.safetensors.index.json; a tied weight written once, as save_pretrained does), streamed "
+                   "one piece of a tensor at a time; OUT *.safetensors: one file, streamed, every tied name kept; "
+                   "OUT *.pt/*.pth/*.bin: torch.save of the state dict (holds the whole model in memory).")
+
+
+def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `zerodp consolidate` (shared by consolidate_main and the zerodp command)."""
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="the folder given to engine.save_checkpoint "
+                        "(e.g. runs/X/checkpoints)")
+    parser.add_argument("out", metavar="OUT", help="a folder (Hugging Face layout), or a file: *.safetensors, "
+                        "or *.pt / *.pth / *.bin for torch.save")
+    parser.add_argument("--tag", metavar="T", default=None, help="which checkpoint under CKPT_DIR (default: the "
+                        "one named in 'latest')")
+    parser.add_argument("--max-shard-size", metavar="S", default=None, help="folder output: the most bytes per "
+                        "weight file, e.g. 5GB, 500MB, 2GiB (default 5GB, transformers 4.x's save_pretrained "
+                        "default); a tensor bigger than S gets a file of its own")
+    parser.add_argument("--config", metavar="C", default=None, help="folder output: the model's config.json (or "
+                        "a folder holding one), copied to OUT/config.json so from_pretrained(OUT) needs nothing "
+                        "else; without it, copy config.json into OUT yourself")
 
 
 # -- a live engine ---------------------------------------------------------------------------------

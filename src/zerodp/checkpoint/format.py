@@ -129,21 +129,9 @@ def write_tensor_file(path: Path, tensors: Union[Mapping[str, torch.Tensor], Ten
     """
     if not isinstance(tensors, TensorStream):
         tensors = TensorStream([(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], tensors.items())
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
-    offset = 0
-    for key, dtype, shape in tensors.specs:
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"cannot store tensor {key!r} of dtype {dtype} in a checkpoint")
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     out = _HashingWriter(path)
     try:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
+        out.write(safetensors_header(tensors.specs, metadata))
         specs = iter(tensors.specs)
         for key, t in tensors.tensors:
             spec = next(specs, None)
@@ -152,11 +140,7 @@ def write_tensor_file(path: Path, tensors: Union[Mapping[str, torch.Tensor], Ten
                                       f"match the header's entry {spec}; the file {path} is incomplete")
             if t.numel():
                 # one tensor at a time reaches the CPU, so a GPU shard is never copied whole
-                flat = t.detach().reshape(-1).contiguous().cpu()
-                # through ctypes, not .numpy(): a numpy export makes the storage non-resizable for good, and
-                # offloaded parameter shards free and re-attach theirs (offload/shard_store.py)
-                out.write(memoryview((ctypes.c_char * (flat.numel() * flat.element_size()))
-                                     .from_address(flat.data_ptr())))
+                out.write(tensor_bytes(t.detach().reshape(-1).contiguous().cpu()))
         missing = [spec[0] for spec in specs]
         if missing:
             raise CheckpointError(f"internal error: {len(missing)} tensors of the header of {path} were never "
@@ -164,6 +148,33 @@ def write_tensor_file(path: Path, tensors: Union[Mapping[str, torch.Tensor], Ten
     finally:
         digest = out.close()
     return digest
+
+
+def safetensors_header(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                       metadata: Optional[dict[str, str]] = None) -> bytes:
+    """The bytes before the data of a safetensors file holding `specs` (key, dtype, shape) back to back
+    in that order: an 8-byte little-endian length, then the JSON header, padded so the data starts
+    8-byte aligned."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
+    offset = 0
+    for key, dtype, shape in specs:
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"cannot store tensor {key!r} of dtype {dtype} in a safetensors file")
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def tensor_bytes(flat: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy.
+
+    Through ctypes, not .numpy(): a numpy export makes the storage non-resizable for good, and
+    offloaded parameter shards free and re-attach theirs (offload/shard_store.py)."""
+    return memoryview((ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr()))
 
 
 def write_json(path: Path, obj: Any) -> str:
@@ -332,17 +343,29 @@ class CheckpointFiles:
     def read_value(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened parameter or buffer `name` (its first name), from
         wherever the checkpoint keeps them: rank files (sharded) or the model-states file (whole)."""
+        pieces = list(self.iter_value(name, start, end))
+        if not pieces:
+            entry = self.meta["tensors"][name]
+            return torch.empty(0, dtype=torch.float32 if entry["kind"] == "param" else getattr(torch, entry["dtype"]))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def iter_value(self, name: str, start: int, end: int, max_numel: Optional[int] = None) -> Iterator[torch.Tensor]:
+        """`read_value(name, start, end)` as consecutive 1-D pieces of at most `max_numel` elements,
+        each read from disk when it is asked for: a consumer that writes each piece out holds one piece
+        at a time, never the whole range (streaming consolidation, checkpoint/hf_export.py)."""
         entry = self.meta["tensors"][name]
         segments = self.meta["segments"].get(name)
+        step = max_numel or max(1, end - start)
         if segments is None and entry["kind"] != "param":
-            return self.tensors(MODEL_STATES_FILE).read(name, start, end)
+            reader = self.tensors(MODEL_STATES_FILE)
+            for lo in range(start, end, step):
+                yield reader.read(name, lo, min(lo + step, end))
+            return
         kind = MASTER if entry["kind"] == "param" else FROZEN
         world = self.meta["world_size"]
-        pieces = [self.read_slice(shard_file(rank, world), tensor_key(kind, name, s, e), lo - s, hi - s)
-                  for rank, s, e, _, lo, hi in overlapping(segments or [], start, end)]
-        if not pieces:
-            return torch.empty(0, dtype=torch.float32 if kind == MASTER else getattr(torch, entry["dtype"]))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        for rank, s, e, _, lo, hi in overlapping(segments or [], start, end):
+            for a in range(lo, hi, step):
+                yield self.read_slice(shard_file(rank, world), tensor_key(kind, name, s, e), a - s, min(a + step, hi) - s)
 
     def read_json(self, name: str) -> Any:
         return json.loads(self.path(name).read_text())

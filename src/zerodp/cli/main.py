@@ -2,7 +2,7 @@
 
     zerodp train [--stage 0-3] [--nproc N] [--steps S] [--model tiny|small|base] ...
     zerodp estimate --params 7.5e9 --world-size 64      (or --model small, or --paper)
-    zerodp consolidate CKPT_DIR OUT [--tag T]
+    zerodp consolidate CKPT_DIR OUT [--tag T] [--max-shard-size 5GB] [--config config.json]
 
 This module owns the options, their help text and the error contract: a user mistake (a bad
 option or config, a missing folder) is one line on stderr and exit code 2, never a traceback. The
@@ -173,14 +173,11 @@ def _add_estimate(sub) -> None:
 
 
 def _add_consolidate(sub) -> None:
-    p = sub.add_parser("consolidate", help="merge a sharded checkpoint into one full state dict",
-                       description="Read the per-rank shards a run saved under CKPT_DIR (any stage, any world "
-                                   "size) and write the full model to OUT, loadable without zerodp.")
-    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="the folder given to engine.save_checkpoint "
-                   "(e.g. runs/X/checkpoints)")
-    p.add_argument("out", metavar="OUT", help="the file to write: *.safetensors, or *.pt / *.pth / *.bin "
-                   "for torch.save")
-    p.add_argument("--tag", metavar="T", help="which checkpoint under CKPT_DIR (default: the latest)")
+    from ..checkpoint.consolidate import CLI_DESCRIPTION, add_consolidate_arguments
+
+    p = sub.add_parser("consolidate", help="merge a sharded checkpoint into the full model (Hugging Face layout)",
+                       description=_wrap(CLI_DESCRIPTION))
+    add_consolidate_arguments(p)
     p.set_defaults(func=_cmd_consolidate)
 
 
@@ -333,7 +330,9 @@ def _cmd_consolidate(ns: argparse.Namespace) -> int:
         print("zerodp: error: consolidation needs zerodp.checkpoint, which this installation does not have",
               file=sys.stderr)
         return 1
-    argv = [ns.ckpt_dir, ns.out] + ([] if ns.tag is None else ["--tag", ns.tag])
+    argv = [ns.ckpt_dir, ns.out] + [arg for option, value in (("--tag", ns.tag), ("--max-shard-size",
+                                    ns.max_shard_size), ("--config", ns.config)) if value is not None
+                                    for arg in (option, value)]
     # consolidate_main prints its refusal (a missing or damaged checkpoint) as one line; a user mistake: exit 2
     return 2 if consolidate_main(argv) else 0
 
