@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 bench/live_memory_timeline.py --strategy zerodp3 [--events]
 
-The same model, data and strategies as `zerodp bench` (src/zerodp/bench). After a few warm-up steps,
+The same model, data and strategies as the benchmark harness (bench/harness). After a few warm-up steps,
 one step runs with a thread sampling `in_use_bytes()` (glibc mallinfo2, as the bench's peak) every
 0.2 ms, and with in-use bytes read synchronously at events: forward, backward and step for every
 strategy; for zerodp also each flat unit's gather, wait and release, each module unit's pre-backward
