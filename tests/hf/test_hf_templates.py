@@ -112,4 +112,7 @@ def test_zero_trainer_equals_hf_trainer_with_real_deepspeed(runs, name):
     assert zero["steps"] == ds["steps"]
     assert [u[0] for u in zero["lr_used"]] == pytest.approx([u[0] for u in ds["lr_used"]], rel=LR_REL, abs=1e-15)
     assert zero["loss"] == pytest.approx(ds["loss"], rel=LOSS_REL)
-    assert zero["grad_norm"] == pytest.approx(ds["grad_norm"], rel=GRAD_NORM_REL)
+    if any(g is None for g in ds["grad_norm"]):  # DeepSpeed's stage-0 engine gives the Trainer no grad norm
+        assert ds["stage"] == 0 and all(g is None for g in ds["grad_norm"]), ds["grad_norm"]
+    else:
+        assert zero["grad_norm"] == pytest.approx(ds["grad_norm"], rel=GRAD_NORM_REL)

@@ -63,7 +63,7 @@ def arguments(out: str, **overrides) -> TrainingArguments:
 def history(trainer) -> dict:
     logs = trainer.state.log_history
     return {"loss": [e["loss"] for e in logs if "loss" in e], "lr": [e["learning_rate"] for e in logs if "loss" in e],
-            "grad_norm": [float(e["grad_norm"]) for e in logs if "loss" in e],
+            "grad_norm": [None if e.get("grad_norm") is None else float(e["grad_norm"]) for e in logs if "loss" in e],
             "eval_loss": [e["eval_loss"] for e in logs if "eval_loss" in e],
             "steps": [e["step"] for e in logs if "loss" in e]}
 
