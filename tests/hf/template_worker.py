@@ -35,7 +35,8 @@ STEPS, WARMUP = 6, 3  # warmup 3 (not 2): DeepSpeed's log warmup then gives thre
 
 
 def template_arguments(out: str):
-    return arguments(out, max_steps=STEPS, warmup_steps=WARMUP, eval_strategy="no", save_strategy="no")
+    bf16 = os.environ.get("ZERODP_HF_TEMPLATES_BF16") == "1"  # the templates' bf16 "auto" then turns bf16 on
+    return arguments(out, max_steps=STEPS, warmup_steps=WARMUP, eval_strategy="no", save_strategy="no", bf16=bf16)
 
 
 def kind_of(config: dict) -> str:
@@ -77,7 +78,7 @@ def zero_run(name: str, out: str, data) -> dict:
     moved = max((final[n].float() - initial[n].float()).abs().max().item() for n in final)
     config = engine.config
     return {**history(trainer), "lr_used": probe.used, "moved": moved, "stage": engine.stage,
-            "batch": list(config.resolve_batch(dist.get_world_size())),
+            "batch": list(config.resolve_batch(dist.get_world_size())), "bf16": bool(config.bf16.enabled),
             "scheduler": trainer.resolved_zero_config(STEPS).get("scheduler"),
             "seconds": time.perf_counter() - started}
 
