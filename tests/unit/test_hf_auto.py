@@ -72,7 +72,7 @@ HF_TEMPLATES = sorted(p for p in CONFIG_DIR.glob("*.json") if _is_hf_template(p)
 
 
 def test_the_collection_holds_hf_templates_of_many_projects():
-    assert len(HF_TEMPLATES) >= 10 and len({p.name.split("__")[0] for p in HF_TEMPLATES}) >= 5, HF_TEMPLATES
+    assert len(HF_TEMPLATES) >= 10 and len({p.name.split("__")[0] for p in HF_TEMPLATES}) >= 10, HF_TEMPLATES
 
 
 @pytest.mark.parametrize("path", HF_TEMPLATES, ids=[p.name for p in HF_TEMPLATES])
