@@ -8,60 +8,20 @@
 """
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
 from zerodp.config import ConfigError
 from zerodp.integrations.transformers import ZeroTrainer
 
-SEQ, VOCAB, ROWS, MAX_STEPS, SAVE_STEPS = 12, 48, 96, 6, 3
+from tests.hf.tiny_setup import SEQ, VOCAB, Sequences, arguments, history, make_model, schedule_factor
 
-
-def make_model() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
-
-
-class Sequences(torch.utils.data.Dataset):
-    """Arithmetic progressions mod VOCAB: learnable, so the loss falls within a few steps."""
-
-    def __init__(self, rows: int = ROWS, seed: int = 3) -> None:
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, VOCAB, (rows, 1), generator=g)
-        step = torch.randint(1, 4, (rows, 1), generator=g)
-        self.ids = (start + step * torch.arange(SEQ)) % VOCAB
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def arguments(out: str, **overrides) -> TrainingArguments:
-    kw = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=MAX_STEPS,
-              learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01, max_grad_norm=1.0,
-              logging_steps=1, save_steps=SAVE_STEPS, eval_strategy="steps", eval_steps=SAVE_STEPS,
-              per_device_eval_batch_size=4, seed=0, report_to=[], use_cpu=True, ddp_backend="gloo",
-              dataloader_drop_last=True, save_only_model=False, disable_tqdm=True)
-    kw.update(overrides)
-    return TrainingArguments(**kw)
-
-
-def history(trainer) -> dict:
-    logs = trainer.state.log_history
-    return {"loss": [e["loss"] for e in logs if "loss" in e], "lr": [e["learning_rate"] for e in logs if "loss" in e],
-            "grad_norm": [float(e["grad_norm"]) for e in logs if "loss" in e],
-            "eval_loss": [e["eval_loss"] for e in logs if "eval_loss" in e],
-            "steps": [e["step"] for e in logs if "loss" in e]}
+MAX_STEPS, SAVE_STEPS = 6, 3
 
 
 ZERO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
@@ -112,13 +72,6 @@ def train(out: str) -> None:
 TEMPLATE = Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "transformers__ds_config_zero2.json"
 
 
-def deepspeed_warmup_lr(max_lr: float, warmup: int):
-    """DeepSpeed's WarmupLR (warmup_type "log", min lr 0) as a factor of max_lr for the optimizer step k (0-based),
-    as DeepSpeed 0.19.8 runs it (checked in the bench venv): the first step runs at the min lr, and the scheduler's
-    j-th step() (after step j) sets gamma(j - 1) = log(j) / log(warmup) during warm-up, then 1."""
-    return lambda k: 0.0 if k == 0 else (math.log(k) / math.log(warmup) if k - 1 < warmup else 1.0)
-
-
 def hf_template(out: str, data) -> dict:
     """transformers' own DeepSpeed template (every value "auto", a WarmupLR scheduler section), unchanged, against
     the plain Trainer driven by the same schedule and optimizer (AdamW over every parameter, as DeepSpeed builds
@@ -127,7 +80,7 @@ def hf_template(out: str, data) -> dict:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                             eps=args.adam_epsilon, weight_decay=args.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, deepspeed_warmup_lr(args.learning_rate, args.warmup_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, schedule_factor({"type": "WarmupLR"}, args.warmup_steps, MAX_STEPS))
     plain = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, schedule))
     plain.train()
     zero = ZeroTrainer(model=make_model(), args=arguments(f"{out}/template-zero", eval_strategy="no",
