@@ -34,8 +34,8 @@ from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
-from .offload.build import build_optimizer_offload
-from .optim.build import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
+from .offload.tier import build_optimizer_offload
+from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters

@@ -9,7 +9,7 @@ import torch
 
 from zerodp.config import ConfigError, load_config
 from zerodp.config.auto import hidden_size, resolve_auto
-from zerodp.optim.build import OptimizerError, build_from_section
+from zerodp.optim.inner import OptimizerError, build_from_section
 
 
 def _run(section_type, params, steps=3, seed=0):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import zerodp
-from zerodp.optim.build import OptimizerError
+from zerodp.optim.inner import OptimizerError
 from tests.dist.common import make_model, make_optimizer
 
 

@@ -10,7 +10,7 @@ import zerodp
 from tests.dist.whole_tensor_common import MuonFP32, is_muon_param, make_gpt, register
 from zerodp.config import load_config
 from zerodp.errors import OptimizerError
-from zerodp.optim.build import resolve_optimizer
+from zerodp.optim.inner import resolve_optimizer
 from zerodp.optim.optimizer_list import OptimizerList
 
 MUON = {"type": "Muon", "select": "matrices", "params": {"lr": 0.02}}

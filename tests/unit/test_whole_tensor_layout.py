@@ -7,7 +7,7 @@ import zerodp
 from zerodp.errors import OptimizerError
 from zerodp.flat.buffer import FlatBuffer
 from zerodp.flat.whole_tensor_layout import WholeTensorLayout
-from zerodp.optim.build import check_supported, needs_whole_tensors, resolve_optimizer
+from zerodp.optim.inner import check_supported, needs_whole_tensors, resolve_optimizer
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 5])

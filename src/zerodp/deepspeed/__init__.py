@@ -71,7 +71,7 @@ from torch import nn
 from .. import comm as _comm
 from ..config import ConfigError, load_config
 from ..engine import ZeroEngine
-from ..optim.build import build_from_section, build_from_sections
+from ..optim.inner import build_from_section, build_from_sections
 from . import accelerator, comm, moe, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine

@@ -129,7 +129,7 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     if gpus and not under_torchrun() and nproc > gpus:
         raise UsageError(f"--nproc {nproc} is more than the {gpus} GPU(s); with CUDA each rank needs its own GPU")
     if validated.optimizer is not None:
-        from ..optim.build import OptimizerError, resolve_optimizer
+        from ..optim.inner import OptimizerError, resolve_optimizer
 
         sections = validated.optimizer if isinstance(validated.optimizer, list) else [validated.optimizer]
         for section in sections:  # hyper-parameters only: which parameters each selects is checked at start-up

@@ -3,4 +3,4 @@
 `zerodp.memory` re-exports `model.py`, the estimator `zerodp estimate` prints.
 """
 
-from .model import *  # noqa: F401,F403 (the estimator's API)
+from .formulas import *  # noqa: F401,F403 (the estimator's API)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from ..optim.build import members, state_numel_per_param, streamed_state_names, whole_tensor_state_numel
-from .model import ModelStateBytes, predict_model_state_bytes
+from ..optim.inner import members, state_numel_per_param, streamed_state_names, whole_tensor_state_numel
+from .formulas import ModelStateBytes, predict_model_state_bytes
 
 
 @dataclass(frozen=True)

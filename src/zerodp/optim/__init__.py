@@ -7,7 +7,7 @@ from .lamb import LAMB
 from .larc import LARC
 from .fused_adam import FusedAdam
 from .fused_lamb import FusedLamb
-from .build import register_whole_tensor
+from .inner import register_whole_tensor
 from .optimizer_list import OptimizerList
 
 # The former module path `zerodp.optimizer` stays importable (code written before the layout change).

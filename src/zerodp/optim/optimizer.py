@@ -46,7 +46,7 @@ from .. import comm
 from ..flat.grad_shard import square_norm
 from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
-from .build import rebuild_kept
+from .inner import rebuild_kept
 from .checkpoint_state import CheckpointStateAccess
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
 

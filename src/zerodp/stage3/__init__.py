@@ -1,7 +1,7 @@
 """ZeRO stage 3 (the paper's Pos+g+p): parameters partitioned across ranks, gathered just in time.
 
     strategy.py    Stage3Sharding: what the engine drives (seams.ShardingStrategy); the gradient path
-    build.py       build_stage3_sharding: module units and flat units from a model
+    partition.py   build_stage3_sharding: module units and flat units from a model
     wrap.py        which modules become module units and which one holds each parameter
     module_unit.py ModuleUnit: the forward/backward hooks that gather and release; TrainingState
     schedule.py    Schedule: the pass running, the forward stack, recorded order, prefetch trigger
@@ -10,13 +10,13 @@
     shard_group.py ShardGroup: the two communicators, CUDA streams, live-memory counters
     params.py      PartitionedParameter: what a parameter is while only its shard exists
     gathered.py    gathered_parameters: full parameters outside forward
-    init.py        init_context: parameters partitioned as the model is built
+    init_context.py  init_context: parameters partitioned as the model is built
 """
 
 from .gathered import gathered_parameters
-from .init import init_context
+from .init_context import init_context
 from .params import PartitionedParameter, PartitionedParameterError
-from .build import build_stage3_sharding
+from .partition import build_stage3_sharding
 from .strategy import Stage3Sharding
 
 __all__ = ["build_stage3_sharding", "Stage3Sharding", "gathered_parameters", "init_context", "PartitionedParameter",

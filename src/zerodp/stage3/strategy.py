@@ -5,7 +5,7 @@ Calls run one way: strategy -> module units (module_unit.py) -> flat units (flat
 group (shard_group.py); the module units share a `Schedule` (schedule.py) given at construction.
 The strategy is also the `ShardContext` of its parameters (params.py): a read of a sharded
 parameter inside a forward, `gathered_parameters` and its writes reach it through the registry.
-`build.py` builds it from a model.
+`partition.py` builds it from a model.
 
 Per step, for a unit of Psi_u elements on N ranks, the collectives are (the paper's 3 Psi):
     forward   all-gather Psi_u   (before its forward; freed after it)

@@ -42,7 +42,7 @@ from torch import nn
 from .. import comm
 from ..config import ConfigError, load_config
 from ..flat.buffer import alloc_storage, free_storage
-from ..offload.build import build_param_offload
+from ..offload.tier import build_param_offload
 from ..precision import PrecisionPolicy
 from .params import PartitionedParameter, owner_of, register_owner, set_partitioned, unregister_owner
 

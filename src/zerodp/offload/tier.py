@@ -19,7 +19,7 @@ import torch
 
 from .. import comm
 from ..config import ConfigError, ZeroConfig
-from ..optim.build import SHARD_AWARE, state_numel_per_param
+from ..optim.inner import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
 from .heap import map_large_buffers

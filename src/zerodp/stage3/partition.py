@@ -16,7 +16,7 @@ from .. import comm
 from ..config import ZeroConfig
 from ..errors import ConfigError
 from ..flat.grad_arithmetic import GradArithmetic
-from ..offload.build import build_grad_offload, build_param_offload
+from ..offload.tier import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit
 from .hpz import build_secondary_group
 from .mics import build_replicated_shards
