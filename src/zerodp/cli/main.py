@@ -157,18 +157,21 @@ def _add_estimate(sub) -> None:
                    "model states per rank: device, host and disk bytes (offload_optimizer.device)")
     p.add_argument("--offload-param", choices=("cpu", "nvme"), help="stage 3: also offload the parameter shards "
                    "(offload_param.device); prints the same device/host/disk table")
-    p.add_argument("--max-in-cpu", type=float, default=1e9, metavar="M", help="with --offload-param nvme: "
-                   "parameter elements cached in host memory (offload_param.max_in_cpu, default 1e9)")
-    p.add_argument("--sub-group-size", type=float, default=4e6, metavar="W", help="with --offload nvme: "
+    p.add_argument("--max-in-cpu", type=float, metavar="M", help="with --offload-param nvme: "
+                   "parameter elements cached in host memory (offload_param.max_in_cpu; default 1e9 in the tier table, "
+                   "while --peak-rss follows the engine: unset caches buffer_count x the largest shard)")
+    p.add_argument("--sub-group-size", type=float, metavar="W", help="with --offload nvme: "
                    "elements per streamed window (zero_optimization.sub_group_size; default 4e6, what an unset "
                    "config gets)")
-    p.add_argument("--buffer-count", type=int, default=4, metavar="B", help="with --offload nvme: I/O buffers "
+    p.add_argument("--buffer-count", type=int, metavar="B", help="with --offload nvme: I/O buffers "
                    "(offload_optimizer.buffer_count, default 4)")
-    p.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH, metavar="B",
+    p.add_argument("--micro-batch", type=int, metavar="B",
                    help=f"with --model: sequences per rank, for the activation estimate "
                         f"(default {DEFAULT_MICRO_BATCH})")
     p.add_argument("--seq-len", type=int, metavar="T", help="with --model: tokens per sequence (default: the "
                    "model's block_size)")
+    from .estimate_rss import add_peak_options
+    add_peak_options(p)
     p.set_defaults(func=_cmd_estimate)
 
 
@@ -288,6 +291,10 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     refuse_unused_options(ns)
     if ns.cluster is not None:
         return run(ns)
+    from .estimate_rss import refuse_misplaced, run_peak, wants_peak
+    refuse_misplaced(ns)
+    if wants_peak(ns):
+        return run_peak(ns)
     if ns.paper:
         print("ZeRO paper, Table 1: per-device model-state memory (GB) of mixed-precision Adam (K=12) by DP "
               "degree; Pos = stage 1, Pos+g = stage 2, Pos+g+p = stage 3")
@@ -308,16 +315,18 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
 
         print(render_offload_estimate(numel, world, precision_bytes(precision, ns.optimizer),
                                       OPTIMIZER_STATES[ns.optimizer], ns.offload or "none", stages,
-                                      ns.sub_group_size, ns.buffer_count, ns.offload_param or "none",
-                                      ns.max_in_cpu))
+                                      4e6 if ns.sub_group_size is None else ns.sub_group_size,
+                                      4 if ns.buffer_count is None else ns.buffer_count, ns.offload_param or "none",
+                                      1e9 if ns.max_in_cpu is None else ns.max_in_cpu))
     if ns.model is not None and ns.optimizer in WHOLE_TENSOR_OPTIMIZERS:
         print(_render_whole_tensor_imbalance(ns.model, numel, world, ns.optimizer))
     if ns.model is not None:
         block = MODEL_PRESETS[ns.model].block_size
         seq_len = ns.seq_len or block
-        if not 1 <= seq_len <= block or ns.micro_batch < 1:
+        micro_batch = DEFAULT_MICRO_BATCH if ns.micro_batch is None else ns.micro_batch
+        if not 1 <= seq_len <= block or micro_batch < 1:
             raise UsageError(f"--seq-len must be in 1..{block} and --micro-batch at least 1")
-        print(_render_model_extras(ns.model, numel, world, precision, ns.micro_batch, seq_len))
+        print(_render_model_extras(ns.model, numel, world, precision, micro_batch, seq_len))
     return 0
 
 
