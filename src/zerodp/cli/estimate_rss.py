@@ -96,10 +96,18 @@ def _config(ns: argparse.Namespace):
         zero.setdefault("offload_optimizer", {})["buffer_count"] = ns.buffer_count
     if ns.micro_batch is not None:
         data["train_micro_batch_size_per_gpu"] = ns.micro_batch
+    if ns.offload_param is not None and zero["stage"] != 3:  # the config layer would drop it with a warning
+        raise UsageError(f"--offload-param needs stage 3 (only stage 3 partitions parameters), but stage is "
+                         f"{zero['stage']}; pass --stage 3 or drop --offload-param")
+    from ..config.offload import check_stage
+
     try:
-        return load_config(data)
-    except ConfigError as err:
+        config = load_config(data)
+        zero = config.zero_optimization
+        check_stage(zero.stage, zero.offload_optimizer, zero.offload_param)  # as the engine checks at start-up
+    except (ConfigError, ValueError) as err:
         raise UsageError(f"{ns.config or 'the options'}: {err}") from None
+    return config
 
 
 def _gpt_config(ns: argparse.Namespace):
