@@ -65,14 +65,14 @@ def _candidates(model: ModelShape, run: RunShape) -> list[tuple[str, RunShape, s
     working_set = run.param_buffer_count * largest  # what max_in_cpu unset caches (offload/tier.py)
     # Caches from half the shard down, the unset default among them by its size; none below one
     # largest shard (a gather holds that much resident whatever the bound).
-    sizes = {shard // f: f"shards beyond 1/{f} of this rank's shard" for f in (2, 4, 8, 16) if shard // f >= largest}
-    sizes[working_set] = "every shard beyond the gathers' working set (max_in_cpu unset)"
+    sizes = {shard // f: f"1/{f} of this rank's shard" for f in (2, 4, 8, 16) if shard // f >= largest}
+    sizes[working_set] = "the gathers' working set"
     for size in sorted(sizes, reverse=True):
-        unset = sizes[size].endswith("(max_in_cpu unset)")
+        unset = sizes[size] == "the gathers' working set"
         out.append((f"stage 3 + both offloads nvme, max_in_cpu " + ("unset" if unset else f"{size:,}"),
                     dataclasses.replace(opt, param_offload="nvme", max_in_cpu=None if unset else size),
-                    f"as above, plus the parameter (fp32: and gradient) {sizes[size]} read from the disk in "
-                    f"forward and backward"))
+                    f"as above, plus parameter (fp32: and gradient) shards read from the disk in forward and "
+                    f"backward, {sizes[size]} cached"))
     return out
 
 

@@ -1,0 +1,71 @@
+"""docs/memory.md's promises: its command examples print what the page shows, its accuracy table is
+bench/results/estimate_rss.md's, every case there is within 15%, and those predictions are what the
+code predicts today (so a change to the model that breaks the 15% fails here, not in a later bench)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerodp import cli
+from zerodp.memory import peak_rss
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "memory.md").read_text()
+RESULTS = (ROOT / "bench" / "results" / "estimate_rss.md").read_text()
+
+
+def _examples() -> list[tuple[list[str], list[str]]]:
+    """(argv, expected lines) of each ```$ zerodp ...``` block; '...' stands for lines not shown."""
+    out = []
+    for block in re.findall(r"```\n(\$ zerodp .*?)```", DOC, re.S):
+        command, *lines = block.strip().splitlines()
+        out.append((shlex.split(command[2:])[1:], lines))
+    return out
+
+
+@pytest.mark.parametrize("argv, expected", _examples(), ids=lambda v: " ".join(v[:4]) if isinstance(v, list) and
+                         v and v[0] == "estimate" else None)
+def test_the_pages_examples_print_what_it_shows(capsys, argv, expected):
+    code = cli.main(argv)
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0
+    if "..." in expected:
+        shown = [line for line in expected if line != "..."]
+        assert all(line in out for line in shown), "\n".join(out)
+    else:
+        assert out == expected
+
+
+def _table(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| (")]
+
+
+def test_the_accuracy_table_is_the_bench_results_and_every_case_is_within_15_percent():
+    rows = _table(RESULTS)
+    assert rows and _table(DOC) == rows, "docs/memory.md's table differs from bench/results/estimate_rss.md"
+    assert {r[0] for r in rows} == {"(a) make train", "(b) 201M MLP, no offload", "(b) 201M MLP, both offloads nvme",
+                                    "(c) 3e9 GPT, both offloads nvme"}
+    for case, rank, measured, predicted, ratio, ok in rows:
+        assert abs(float(predicted) / float(measured) - 1) <= 0.15 and ok == "yes", (case, rank)
+
+
+def test_the_recorded_predictions_are_todays_model():
+    sys.path.insert(0, str(ROOT))
+    from bench import estimate_rss as bench
+
+    baseline = round(float(re.search(r"Baseline ([0-9.]+) MiB", RESULTS).group(1)) * 2**20)
+    predicted = {r[0]: float(r[3]) for r in _table(RESULTS)}
+    cases = [bench.case_train(baseline, None), bench.case_201m(baseline, "none", False),
+             bench.case_201m(baseline, "both", False), bench.case_3b(baseline)]
+    for label, _, peak, *_ in cases:
+        assert peak.total / 2**20 == pytest.approx(predicted[label], abs=0.1), label
+
+
+def test_the_fitted_constants_are_the_ones_the_page_states():
+    assert f"{peak_rss.HEAP_RETENTION_STATES} x the model states in RAM" in DOC.replace("\n  ", " ")
+    assert f"{peak_rss.HEAP_RETENTION_ACTIVATIONS} x the activations" in DOC.replace("\n  ", " ")
