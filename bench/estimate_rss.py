@@ -82,7 +82,7 @@ def _measure_201m(mode: str) -> dict:
                           "127.0.0.1", "--master-port", "29617", str(ROOT / "bench" / "offload_init_rss.py"), mode],
                          env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
     found = {int(m.group(1)): float(m.group(2)) for m in
-             re.finditer(rf"^{mode} (\d) .*\"abs_peak_mib\": ([0-9.]+)", out, re.M)}
+             re.finditer(rf"^{mode} (\d) .* abs_peak_mib=([0-9.]+)", out, re.M)}
     if len(found) != 2:
         raise RuntimeError(f"offload_init_rss.py {mode}: no abs_peak_mib for both ranks in:\n{out}")
     return found

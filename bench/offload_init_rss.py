@@ -4,7 +4,7 @@ steps of a 48 x Linear(2048, 2048) MLP (201M parameters, fp32 AdamW) at stage 3 
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/offload_init_rss.py both
     (modes: none | both | param | opt; env: D=layers W=width STEPS=n; MIC=max_in_cpu and SG=sub_group_size,
      both "unset" by default: a user's config, only device and nvme_path;
-     prints abs_peak_mib, the absolute peak RSS in MiB, for bench/estimate_rss.py;
+     each line ends with abs_peak_mib=, the absolute peak RSS in MiB, for bench/estimate_rss.py;
      TRIMCHECK=1 also reports RSS after one malloc_trim right after initialize, as a diagnosis only)
 
 Memory is what the OS sees: VmHWM (peak RSS, reset with /proc/self/clear_refs 5 after a warm-up) and
@@ -64,12 +64,12 @@ for s in range(STEPS):
     engine.backward(loss); engine.step(); losses.append(loss.item())
     out[f"step{s}"] = (hwm() - start, rss() - start)
 out["time_s"] = time.time() - t0
-out["abs_peak_mib"] = round(hwm() / 2**20, 1)  # absolute VmHWM since the reset (the warm-up's peak is below it)
-out["start_mib"] = round(start / 2**20, 1)
+# absolute VmHWM since the reset (the warm-up's peak is below it), after the losses: the phases' JSON stays as it was
+absolute = f"abs_peak_mib={hwm() / 2**20:.1f} start_mib={start / 2**20:.1f}"
 numel = sum(p.numel() for p in model.parameters())
 if dist.get_rank() == 0 or True:
     # one write of one line: the two ranks share the pipe, and a single write() below 4 KiB is not interleaved
-    line = " ".join([MODE, str(dist.get_rank()), f"numel={numel/1e6:.1f}M", json.dumps({k: (f"{v[0]/2**30:.2f}/{v[1]/2**30:.2f}" if isinstance(v, tuple) else round(v,1)) for k, v in out.items()}), str(losses)])
+    line = " ".join([MODE, str(dist.get_rank()), f"numel={numel/1e6:.1f}M", json.dumps({k: (f"{v[0]/2**30:.2f}/{v[1]/2**30:.2f}" if isinstance(v, tuple) else round(v,1)) for k, v in out.items()}), str(losses), absolute])
     os.write(1, (line + "\n").encode())
 engine.close()
 import os; os._exit(0)  # engine.close() destroyed the process group zerodp created
