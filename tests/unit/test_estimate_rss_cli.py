@@ -74,6 +74,17 @@ def test_gpt_overrides_the_presets_shape(capsys):
     assert code == 0 and f"GPT small with n_layer=8: {3_253_760 + 4 * (12 * 256**2 + 9 * 256):,} parameters" in out
 
 
+def test_train_batch_size_alone_gives_the_micro_batch(capsys, tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 3}}))
+    code, out, _ = run_main(capsys, "estimate", "--model", "small", "--config", str(config), "--world-size", "4",
+                            "--baseline-rss", "300MiB")
+    assert code == 0 and "micro-batch 2 x 128 tokens" in out  # 8 sequences over 4 ranks
+    config.write_text(json.dumps({"train_batch_size": 9, "zero_optimization": {"stage": 3}}))
+    code, _, err = run_main(capsys, "estimate", "--model", "small", "--config", str(config), "--baseline-rss", "1GiB")
+    assert code == 2 and "not divisible" in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--paper", "--peak-rss"], "need --model or --params"),
     (["--params", "1e9", "--peak-rss"], "needs --layers L"),
@@ -84,6 +95,8 @@ def test_gpt_overrides_the_presets_shape(capsys):
     (["--model", "small", "--baseline-rss", "1GiB"], "add --peak-rss"),
     (["--model", "small", "--peak-rss", "--stage", "2", "--offload-param", "nvme", "--baseline-rss", "1GiB"],
      "--offload-param needs stage 3"),
+    (["--params", "3e8", "--layers", "1", "--world-size", "2", "--offload-param", "nvme", "--offload", "nvme", "--stage", "3",
+      "--peak-rss", "--baseline-rss", "1GiB"], "buffer_size=100000000 elements cannot hold a shard"),
     (["--model", "small", "--peak-rss", "--stage", "0", "--offload", "nvme", "--baseline-rss", "1GiB"],
      "offload_optimizer needs stage 1, 2 or 3"),
 ])

@@ -142,7 +142,11 @@ def shapes(ns: argparse.Namespace):
     world = ns.world_size or (2 if ns.model is not None else 64)  # as the model-state table
     if world < 1:
         raise UsageError(f"--world-size must be at least 1, got {world}")
-    micro = config.train_micro_batch_size_per_gpu or 8
+    try:  # train_batch_size alone (DeepSpeed's way) gives the micro-batch through the world size
+        micro = config.resolve_batch(world)[1] if (config.train_batch_size or config.train_micro_batch_size_per_gpu) \
+            else 8
+    except ConfigError as err:
+        raise UsageError(f"{ns.config or 'the options'}: {err}") from None
     run = run_shape_of(config, world, ns.optimizer, has_gpu=torch.cuda.is_available())
     if ns.model is not None:
         from ..examples.gpt import GPT
@@ -166,6 +170,11 @@ def shapes(ns: argparse.Namespace):
         model = uniform_shape(int(parse_count(ns.params)), ns.layers, act)
         what = f"{model.numel:,} parameters in {ns.layers} equal units, activations " + \
                (f"{act / 2**20:.1f} MiB per micro-batch" if act else "not given (0; pass --activation-bytes)")
+    buffer_size = config.zero_optimization.offload_param.buffer_size
+    if run.param_offload == "nvme" and buffer_size < -(-model.largest_param_numel // world):
+        raise UsageError(f"zero_optimization.offload_param.buffer_size={buffer_size} elements cannot hold a shard of "
+                         f"the largest parameter ({model.largest_param_numel} elements over {world} ranks); set "
+                         f"buffer_size to at least {-(-model.largest_param_numel // world)}")
     return model, run, config, what
 
 
