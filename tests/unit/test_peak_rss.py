@@ -102,9 +102,13 @@ def test_run_shape_of_a_users_config_takes_the_engines_defaults():
     assert (run.param_bytes, run.grad_bytes, run.master_bytes, run.state_bytes) == (4, 4, 0, 8)
     mixed = run_shape_of(load_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}), 2, "sgd")
     assert (mixed.param_bytes, mixed.master_bytes, mixed.state_bytes) == (2, 4, 4)
-    cpu = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
-    assert run_shape_of(cpu, 2).optimizer_offload == "none"  # no GPU: host memory already (offload/tier.py)
-    assert run_shape_of(cpu, 2, has_gpu=True).optimizer_offload == "cpu"
+    cpu = run_shape_of(load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}), 2)
+    plain = dataclasses.replace(cpu, optimizer_offload="none")
+    model = uniform_shape(1_000_000, 4, activation_bytes=1e6)
+    with_cpu, without = predict_peak_rss(model, cpu, BASE), predict_peak_rss(model, plain, BASE)
+    # device cpu: the state stays in host memory (a CPU rank's RSS), but large buffers are mapped (offload/heap.py)
+    assert with_cpu.term("optimizer states") == without.term("optimizer states") > 0
+    assert with_cpu.term("heap retention") == 0 < without.term("heap retention")
     with pytest.raises(ValueError, match="unknown optimizer"):
         run_shape_of(config, 2, "rmsprop")
 

@@ -28,9 +28,9 @@ def run_shape_of(config: ZeroConfig, world_size: int, optimizer: str = "adamw", 
     mixed = bool(config.bf16.enabled or config.fp16.enabled)
     param_bytes, grad_bytes, master_bytes = PRECISIONS["mixed" if mixed else "fp32"]
     opt, par = zero.offload_optimizer, zero.offload_param
-    # Without a GPU, device cpu is host memory already: the engine runs it as no offload (offload/tier.py).
-    opt_device = opt.device.value if (opt.device.value == "nvme" or has_gpu) else "none"
-    par_device = par.device.value if (par.device.value == "nvme" or has_gpu) else "none"
+    # Device cpu keeps the bytes in host memory, which is the RSS of a CPU rank; it still maps large
+    # buffers on their own (offload/heap.py), so it changes the heap retention, not the tiers.
+    opt_device, par_device = opt.device.value, par.device.value
     return RunShape(
         world_size=world_size, stage=zero.stage, param_bytes=param_bytes, grad_bytes=grad_bytes,
         master_bytes=master_bytes, state_bytes=4 * OPTIMIZER_STATES[optimizer],

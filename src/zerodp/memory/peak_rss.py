@@ -45,8 +45,9 @@ REDUCTIONS_IN_FLIGHT = 2
 #     small GPT, 67 MiB of activations per micro-batch) the peak was 571 MiB, 2.0x the activations
 #     above everything else (after 40 steps: 0.6x): HEAP_RETENTION_ACTIVATIONS = 2.0.
 # Both are fitted on those runs, not derived; the runs are named so that a change that moves them
-# is noticed (bench/estimate_rss.py compares again). With offload on, zerodp maps buffers of 1 MiB
-# and more on their own (offload/heap.py) and freed ones go back to the kernel: nothing is added.
+# is noticed (bench/estimate_rss.py compares again). With any offload section on (cpu too), zerodp
+# maps buffers of 1 MiB and more on their own (offload/heap.py) and freed ones go back to the
+# kernel: nothing is added.
 HEAP_RETENTION_STATES = 0.25
 HEAP_RETENTION_ACTIVATIONS = 2.0
 
@@ -98,8 +99,9 @@ class RunShape:
     has_gpu: bool = False
 
     @property
-    def offloads_anything(self) -> bool:
-        return self.optimizer_offload == "nvme" or self.param_offload == "nvme"
+    def maps_large_buffers(self) -> bool:
+        """Any offload section on (cpu included): the engine fixes glibc's mmap threshold (offload/heap.py)."""
+        return self.optimizer_offload != "none" or self.param_offload != "none"
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,7 @@ def predict_peak_rss(model: ModelShape, run: RunShape, baseline_bytes: float) ->
     terms = [RssTerm("baseline", baseline_bytes, "python + torch + zerodp + gloo on this machine (memory/baseline.py)")]
     terms += states + io + [t for t in working if t.bytes or t.name == "activations"]
     notes = []
-    if not run.offloads_anything:  # [Note: heap retention]
+    if not run.maps_large_buffers:  # [Note: heap retention]
         in_ram = sum(t.bytes for t in states)
         terms.append(RssTerm("heap retention", HEAP_RETENTION_STATES * in_ram + HEAP_RETENTION_ACTIVATIONS
                              * model.activation_bytes, f"{HEAP_RETENTION_STATES} x model states in RAM + "
