@@ -11,6 +11,8 @@
     (absolute VmHWM per rank, no trim; a few minutes), else the figures of its last run (RECORDED_201M).
 (c) the 3e9-parameter GPT of bench/harness/big_offload.py: its config and model, predicted here;
     measured: bench/results/big_offload_3b.jsonl (getrusage peak; not re-run, it takes hours).
+(d) held out (fitted on nothing): the same script with D=8 W=1024 (8.4M parameters), with and without
+    offload; measured by --measure-201m too (under a minute each), else RECORDED_SMALL.
 Writes a Markdown table (predicted / measured, the ratio, within 15%?) and each prediction's terms.
 """
 
@@ -43,7 +45,8 @@ TOLERANCE = 0.15
 # `make train` on this machine, as the issue's brief records it (peak RSS per rank, MiB).
 RECORDED_TRAIN = {0: 571.0, 1: 570.0}
 # bench/offload_init_rss.py, 2026-11-25 (this branch, machine loaded by other sessions): absolute VmHWM, MiB.
-RECORDED_201M = {"none": {0: 2503.3, 1: 2149.8}, "both": {0: 613.1, 1: 613.0}}
+RECORDED_201M = {"none": {0: 2191.0, 1: 2181.9}, "both": {0: 613.3, 1: 613.1}}
+RECORDED_SMALL = {"none": {0: 445.7, 1: 444.7}, "both": {0: 414.9, 1: 415.1}}  # D=8 W=1024, STEPS=2
 
 
 def _cli_shapes(argv: list[str]):
@@ -63,21 +66,21 @@ def case_train(baseline: int, summary: str | None):
     return "(a) make train", "zerodp estimate --model small --peak-rss", peak, run, what, measured, source
 
 
-def _mlp_shape(mode: str):
+def _mlp_shape(mode: str, depth: int = 48, width: int = 2048):
     zero: dict = {"stage": 3}
     if mode == "both":
         zero["offload_param"] = {"device": "nvme", "nvme_path": "/estimate"}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": "/estimate"}
     config = load_config({"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero})
     with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(48)])
-    # activations: each Linear saves its input, 4 x 2048 fp32 (the MSE loss a few more of that size)
-    return module_shape(model, config, activation_bytes=49 * 4 * 2048 * 4), run_shape_of(config, 2)
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    # activations: each Linear saves its input, 4 x width fp32 (the MSE loss one more of that size)
+    return module_shape(model, config, activation_bytes=(depth + 1) * 4 * width * 4), run_shape_of(config, 2)
 
 
-def _measure_201m(mode: str) -> dict:
+def _measure_201m(mode: str, **env_extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT / "src"),
-               NVME=os.environ.get("NVME", "/tmp/offl/nvme"))
+               NVME=os.environ.get("NVME", "/tmp/offl/nvme"), **env_extra)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                           "127.0.0.1", "--master-port", "29617", str(ROOT / "bench" / "offload_init_rss.py"), mode],
                          env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
@@ -97,6 +100,17 @@ def case_201m(baseline: int, mode: str, measure: bool):
     what = f"48 x Linear(2048, 2048), {model.numel:,} parameters, micro-batch 4"
     label = "(b) 201M MLP, " + ("no offload" if mode == "none" else "both offloads nvme")
     return label, f"bench/estimate_rss.py _mlp_shape({mode!r})", peak, run, what, measured, source
+
+
+def case_small(baseline: int, mode: str, measure: bool):
+    model, run = _mlp_shape(mode, depth=8, width=1024)
+    peak = predict_peak_rss(model, run, baseline)
+    measured = _measure_201m(mode, D="8", W="1024", STEPS="2") if measure else RECORDED_SMALL[mode]
+    source = ("bench/offload_init_rss.py " + mode + " with D=8 W=1024 STEPS=2" +
+              (", run now" if measure else ", recorded run (RECORDED_SMALL)") + ": absolute VmHWM, no trim")
+    what = f"8 x Linear(1024, 1024), {model.numel:,} parameters, micro-batch 4"
+    label = "(d) 8.4M MLP, " + ("no offload" if mode == "none" else "both offloads nvme")
+    return label, f"bench/estimate_rss.py _mlp_shape({mode!r}, 8, 1024)", peak, run, what, measured, source
 
 
 def case_3b(baseline: int):
@@ -141,13 +155,14 @@ def render(cases, baseline: int, where: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-summary", help="summary.json of a `zerodp train` run with the defaults")
-    parser.add_argument("--measure-201m", action="store_true", help="run bench/offload_init_rss.py now")
+    parser.add_argument("--measure-201m", action="store_true", help="run bench/offload_init_rss.py now ((b), (d))")
     parser.add_argument("--out", default=str(ROOT / "bench/results/estimate_rss.md"))
     args = parser.parse_args(argv)
     baseline, where = baseline_rss_bytes()
     cases = [case_train(baseline, args.train_summary),
              case_201m(baseline, "none", args.measure_201m), case_201m(baseline, "both", args.measure_201m),
-             case_3b(baseline)]
+             case_3b(baseline), case_small(baseline, "none", args.measure_201m),
+             case_small(baseline, "both", args.measure_201m)]
     text = render(cases, baseline, where)
     Path(args.out).write_text(text)
     print(text)

@@ -61,6 +61,9 @@ def test_optimizer_offload_moves_the_state_to_files_and_keeps_windows():
     assert peak.term("optimizer states") == 0  # fp32: no separate master
     assert peak.term("optimizer I/O windows") == 3 * 1000 * 8
     assert peak.disk_bytes == 8 * 500_000
+    # a shard of two windows never allocates more than two slots (offload/optimizer_state.py's pipeline)
+    two_windows = predict_peak_rss(uniform_shape(2 * 1500, 1), run, BASE)
+    assert two_windows.term("optimizer I/O windows") == 2 * 1000 * 8
 
 
 def test_param_offload_caches_the_working_set_when_max_in_cpu_is_unset_and_honours_a_value():

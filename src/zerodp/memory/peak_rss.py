@@ -178,9 +178,12 @@ def _offload_io(model: ModelShape, run: RunShape) -> list[RssTerm]:
     if run.optimizer_offload == "nvme":
         opt_numel = _shard(model.numel, run.world_size) if run.stage >= 1 else model.numel
         window = min(run.sub_group_size or 1 << 18, opt_numel)
-        terms.append(RssTerm("optimizer I/O windows", run.optimizer_buffer_count * window * run.state_bytes,
-                             f"buffer_count {run.optimizer_buffer_count} x min(sub_group_size, shard) = "
-                             f"{window:,.0f} elements x {run.state_bytes} B of state"))
+        # a slot is allocated when the pipeline first needs it (offload/optimizer_state.py): never more than
+        # there are windows to read
+        slots = min(run.optimizer_buffer_count, -(-opt_numel // window))
+        terms.append(RssTerm("optimizer I/O windows", slots * window * run.state_bytes,
+                             f"min(buffer_count {run.optimizer_buffer_count}, windows) x min(sub_group_size, "
+                             f"shard) = {window:,.0f} elements x {run.state_bytes} B of state"))
     return terms
 
 
