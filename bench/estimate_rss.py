@@ -12,7 +12,8 @@
 (c) the 3e9-parameter GPT of bench/harness/big_offload.py: its config and model, predicted here;
     measured: bench/results/big_offload_3b.jsonl (getrusage peak; not re-run, it takes hours).
 (d) held out (fitted on nothing): the same script with D=8 W=1024 (8.4M parameters), with and without
-    offload; measured by --measure-201m too (under a minute each), else RECORDED_SMALL.
+    offload at stage 3, and without offload at stages 1 and 2 (STAGE=); measured by --measure-201m too
+    (under a minute each), else RECORDED_SMALL.
 Writes a Markdown table (predicted / measured, the ratio, within 15%?) and each prediction's terms.
 """
 
@@ -46,7 +47,8 @@ TOLERANCE = 0.15
 RECORDED_TRAIN = {0: 571.0, 1: 570.0}
 # bench/offload_init_rss.py, 2026-11-25 (this branch, machine loaded by other sessions): absolute VmHWM, MiB.
 RECORDED_201M = {"none": {0: 2191.0, 1: 2181.9}, "both": {0: 613.3, 1: 613.1}}
-RECORDED_SMALL = {"none": {0: 445.7, 1: 444.7}, "both": {0: 414.9, 1: 415.1}}  # D=8 W=1024, STEPS=2
+RECORDED_SMALL = {("none", 3): {0: 445.7, 1: 444.7}, ("both", 3): {0: 414.9, 1: 415.1},  # D=8 W=1024, STEPS=2
+                  ("none", 1): {0: 436.3, 1: 438.4}, ("none", 2): {0: 463.2, 1: 460.2}}
 
 
 def _cli_shapes(argv: list[str]):
@@ -66,8 +68,8 @@ def case_train(baseline: int, summary: str | None):
     return "(a) make train", "zerodp estimate --model small --peak-rss", peak, run, what, measured, source
 
 
-def _mlp_shape(mode: str, depth: int = 48, width: int = 2048):
-    zero: dict = {"stage": 3}
+def _mlp_shape(mode: str, depth: int = 48, width: int = 2048, stage: int = 3):
+    zero: dict = {"stage": stage}
     if mode == "both":
         zero["offload_param"] = {"device": "nvme", "nvme_path": "/estimate"}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": "/estimate"}
@@ -102,15 +104,17 @@ def case_201m(baseline: int, mode: str, measure: bool):
     return label, f"bench/estimate_rss.py _mlp_shape({mode!r})", peak, run, what, measured, source
 
 
-def case_small(baseline: int, mode: str, measure: bool):
-    model, run = _mlp_shape(mode, depth=8, width=1024)
+def case_small(baseline: int, mode: str, measure: bool, stage: int = 3):
+    model, run = _mlp_shape(mode, depth=8, width=1024, stage=stage)
     peak = predict_peak_rss(model, run, baseline)
-    measured = _measure_201m(mode, D="8", W="1024", STEPS="2") if measure else RECORDED_SMALL[mode]
-    source = ("bench/offload_init_rss.py " + mode + " with D=8 W=1024 STEPS=2" +
+    env = {"D": "8", "W": "1024", "STEPS": "2", "STAGE": str(stage)}
+    measured = _measure_201m(mode, **env) if measure else RECORDED_SMALL[mode, stage]
+    source = (f"bench/offload_init_rss.py {mode} with " + " ".join(f"{k}={v}" for k, v in env.items()) +
               (", run now" if measure else ", recorded run (RECORDED_SMALL)") + ": absolute VmHWM, no trim")
     what = f"8 x Linear(1024, 1024), {model.numel:,} parameters, micro-batch 4"
-    label = "(d) 8.4M MLP, " + ("no offload" if mode == "none" else "both offloads nvme")
-    return label, f"bench/estimate_rss.py _mlp_shape({mode!r}, 8, 1024)", peak, run, what, measured, source
+    label = "(d) 8.4M MLP, " + (f"stage {stage}, " if stage != 3 else "") + \
+        ("no offload" if mode == "none" else "both offloads nvme")
+    return label, f"bench/estimate_rss.py _mlp_shape({mode!r}, 8, 1024, {stage})", peak, run, what, measured, source
 
 
 def case_3b(baseline: int):
@@ -162,7 +166,8 @@ def main(argv=None) -> int:
     cases = [case_train(baseline, args.train_summary),
              case_201m(baseline, "none", args.measure_201m), case_201m(baseline, "both", args.measure_201m),
              case_3b(baseline), case_small(baseline, "none", args.measure_201m),
-             case_small(baseline, "both", args.measure_201m)]
+             case_small(baseline, "both", args.measure_201m), case_small(baseline, "none", args.measure_201m, 1),
+             case_small(baseline, "none", args.measure_201m, 2)]
     text = render(cases, baseline, where)
     Path(args.out).write_text(text)
     print(text)

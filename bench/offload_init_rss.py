@@ -2,7 +2,7 @@
 steps of a 48 x Linear(2048, 2048) MLP (201M parameters, fp32 AdamW) at stage 3 on 2 gloo ranks.
 
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/offload_init_rss.py both
-    (modes: none | both | param | opt; env: D=layers W=width STEPS=n; MIC=max_in_cpu and SG=sub_group_size,
+    (modes: none | both | param | opt; env: D=layers W=width STEPS=n STAGE=0-3; MIC=max_in_cpu and SG=sub_group_size,
      both "unset" by default: a user's config, only device and nvme_path;
      each line ends with abs_peak_mib=, the absolute peak RSS in MiB, for bench/estimate_rss.py;
      TRIMCHECK=1 also reports RSS after one malloc_trim right after initialize, as a diagnosis only)
@@ -31,7 +31,7 @@ MODE = sys.argv[1]  # none | both | param | opt
 WIDTH, DEPTH = int(os.environ.get("W", 2048)), int(os.environ.get("D", 48))
 STEPS = int(os.environ.get("STEPS", 3))
 nvme = os.environ.get("NVME", "/tmp/offl/nvme"); os.makedirs(nvme, exist_ok=True)
-zero = {"stage": 3}
+zero = {"stage": int(os.environ.get("STAGE", 3))}  # STAGE=0-2 (mode none) for the estimate's stage checks
 if os.environ.get("SG", "unset") != "unset": zero["sub_group_size"] = int(float(os.environ["SG"]))
 if MODE in ("both", "param"):
     zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
@@ -39,8 +39,10 @@ if MODE in ("both", "param"):
 if MODE in ("both", "opt"):
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
 cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero}
+import contextlib
+build = (lambda: zerodp.init_context(cfg)) if zero["stage"] == 3 else contextlib.nullcontext  # only stage 3 partitions
 # warm-up
-with zerodp.init_context(cfg):
+with build():
     m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
 e = zerodp.initialize(m, torch.optim.AdamW(m.parameters()), cfg)
 e.backward(F.mse_loss(e(torch.ones(4, 64)), torch.zeros(4, 64))); e.step(); e.close(); del e, m
@@ -48,7 +50,7 @@ import gc; gc.collect()
 start = rss(); reset_hwm()
 out = {}
 t0 = time.time()
-with zerodp.init_context(cfg):
+with build():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
 out["built"] = (hwm() - start, rss() - start)

@@ -50,7 +50,8 @@ def test_the_accuracy_table_is_the_bench_results_and_every_case_is_within_15_per
     assert rows and _table(DOC) == rows, "docs/memory.md's table differs from bench/results/estimate_rss.md"
     assert {r[0] for r in rows} == {"(a) make train", "(b) 201M MLP, no offload", "(b) 201M MLP, both offloads nvme",
                                     "(c) 3e9 GPT, both offloads nvme", "(d) 8.4M MLP, no offload",
-                                    "(d) 8.4M MLP, both offloads nvme"}
+                                    "(d) 8.4M MLP, both offloads nvme", "(d) 8.4M MLP, stage 1, no offload",
+                                    "(d) 8.4M MLP, stage 2, no offload"}
     for case, rank, measured, predicted, ratio, ok in rows:
         assert abs(float(predicted) / float(measured) - 1) <= 0.15 and ok == "yes", (case, rank)
 
@@ -63,7 +64,8 @@ def test_the_recorded_predictions_are_todays_model():
     predicted = {r[0]: float(r[3]) for r in _table(RESULTS)}
     cases = [bench.case_train(baseline, None), bench.case_201m(baseline, "none", False),
              bench.case_201m(baseline, "both", False), bench.case_3b(baseline),
-             bench.case_small(baseline, "none", False), bench.case_small(baseline, "both", False)]
+             bench.case_small(baseline, "none", False), bench.case_small(baseline, "both", False),
+             bench.case_small(baseline, "none", False, 1), bench.case_small(baseline, "none", False, 2)]
     for label, _, peak, *_ in cases:
         assert peak.total / 2**20 == pytest.approx(predicted[label], abs=0.1), label
 

@@ -53,6 +53,8 @@ def test_stage2_gradient_buffers_are_one_bucket_filling_and_two_in_reduction():
     run = RunShape(world_size=2, stage=2, reduce_bucket_size=1000)
     peak = predict_peak_rss(uniform_shape(1_000_000, 1), run, BASE)
     assert peak.term("gradient buffers") == 4 * 1000 * (1 + REDUCTIONS_IN_FLIGHT * 1.5)
+    one_bucket = predict_peak_rss(uniform_shape(1000, 1), run, BASE)  # the whole model: nothing else in flight
+    assert one_bucket.term("gradient buffers") == 4 * 1000
 
 
 def test_optimizer_offload_moves_the_state_to_files_and_keeps_windows():

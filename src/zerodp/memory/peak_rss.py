@@ -220,10 +220,15 @@ def _backward_moments(model: ModelShape, run: RunShape, cache: float) -> list[tu
                         "fp32 gradient shards delivered so far, up to max_in_cpu")]))
         return moments
     bucket = min(run.reduce_bucket_size or model.numel, model.numel)
-    buffers = bucket * (1 + REDUCTIONS_IN_FLIGHT * (1 + receive)) if run.stage == 2 else \
-        bucket * REDUCTIONS_IN_FLIGHT * receive
-    why = ("a bucket filling and two in reduction with (N-1)/N receive buffers" if run.stage == 2 else
-           "receive buffers of two bucket reductions in flight (the full gradients are model states)")
+    buckets = -(-model.numel // bucket)
+    if run.stage == 2:  # one bucket filling, the ones before it in reduction (at most two)
+        inflight = min(REDUCTIONS_IN_FLIGHT, buckets - 1)
+        buffers = bucket * (1 + inflight * (1 + receive))
+        why = f"a bucket filling and {inflight} in reduction with (N-1)/N receive buffers"
+    else:
+        inflight = min(REDUCTIONS_IN_FLIGHT, buckets)
+        buffers = bucket * inflight * receive
+        why = f"receive buffers of {inflight} bucket reduction(s) in flight (the full gradients are model states)"
     moments.append(("start of backward", [
         RssTerm("activations", model.activation_bytes, "saved by one micro-batch"),
         RssTerm("gradient buffers", run.grad_bytes * buffers, f"{why}; buckets of {bucket:,} elements")]))
