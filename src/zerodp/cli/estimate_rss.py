@@ -134,6 +134,7 @@ def shapes(ns: argparse.Namespace):
     """(ModelShape, RunShape, config, a line describing the model) from the options."""
     import torch
 
+    from ..examples.train_args import DEFAULT_MICRO_BATCH
     from ..memory import estimate_activation_bytes
     from ..memory.model_shape import module_shape, run_shape_of, uniform_shape
     from ..scaling.workload import parse_count
@@ -144,7 +145,7 @@ def shapes(ns: argparse.Namespace):
         raise UsageError(f"--world-size must be at least 1, got {world}")
     try:  # train_batch_size alone (DeepSpeed's way) gives the micro-batch through the world size
         micro = config.resolve_batch(world)[1] if (config.train_batch_size or config.train_micro_batch_size_per_gpu) \
-            else 8
+            else DEFAULT_MICRO_BATCH
     except ConfigError as err:
         raise UsageError(f"{ns.config or 'the options'}: {err}") from None
     run = run_shape_of(config, world, ns.optimizer, has_gpu=torch.cuda.is_available())
