@@ -73,3 +73,19 @@ def test_the_recorded_predictions_are_todays_model():
 def test_the_fitted_constants_are_the_ones_the_page_states():
     assert f"{peak_rss.HEAP_RETENTION_STATES} x the model states in RAM" in DOC.replace("\n  ", " ")
     assert f"{peak_rss.HEAP_RETENTION_ACTIVATIONS} x the activations" in DOC.replace("\n  ", " ")
+
+
+def test_the_baseline_is_measured_once_cached_and_measured_again_with_calibrate(capsys, tmp_path, monkeypatch):
+    """The page's promise about the baseline: a subprocess measures it the first time, later estimates read
+    the cache, --calibrate measures again (a real probe: ~5 s)."""
+    monkeypatch.setenv("ZERODP_CACHE_DIR", str(tmp_path))
+    argv = ["estimate", "--model", "tiny", "--peak-rss"]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().out
+    assert f"measured now, cached in {tmp_path}" in first
+    measured = float(re.search(r"\| baseline \| ([0-9.]+) MiB", first).group(1))
+    assert 100 < measured < 4096, "a python + torch process is hundreds of MiB"
+    assert cli.main(argv) == 0
+    assert "cached in" in (second := capsys.readouterr().out) and "measured now" not in second
+    assert cli.main(argv + ["--calibrate"]) == 0
+    assert "measured now" in capsys.readouterr().out

@@ -264,7 +264,8 @@ def _render_model_extras(model: str, numel: int, world_size: int, precision: str
         f"{format_bytes(bucket)}",
         f"  stage 3: gathered full parameters, min(stage3_max_live_parameters, Psi) elements = {format_bytes(live)}"
         f", plus a full gradient bucket of {format_bytes(bucket)} during backward",
-        f"  (N = {world_size}; the torch runtime itself takes a few hundred MB of RSS per process on top)"])
+        f"  (N = {world_size}; the torch runtime itself takes a few hundred MB of RSS per process on top: add "
+        f"--peak-rss for each rank's whole peak RSS, docs/memory.md)"])
 
 
 def _render_whole_tensor_imbalance(model: str, numel: int, world_size: int, optimizer: str) -> str:
