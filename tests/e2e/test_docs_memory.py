@@ -48,6 +48,8 @@ def _table(text: str) -> list[list[str]]:
 def test_the_accuracy_table_is_the_bench_results_and_every_case_is_within_15_percent():
     rows = _table(RESULTS)
     assert rows and _table(DOC) == rows, "docs/memory.md's table differs from bench/results/estimate_rss.md"
+    baseline = re.search(r"Baseline ([0-9.]+) MiB", RESULTS).group(1)
+    assert f"baseline ({baseline} MiB)" in DOC.replace("\n", " "), "the page states another baseline than the results"
     assert {r[0] for r in rows} == {"(a) make train", "(a) make train, re-run", "(b) 201M MLP, no offload", "(b) 201M MLP, both offloads nvme",
                                     "(c) 3e9 GPT, both offloads nvme", "(d) 8.4M MLP, no offload",
                                     "(d) 8.4M MLP, both offloads nvme", "(d) 8.4M MLP, stage 1, no offload",
