@@ -59,6 +59,7 @@ def test_fit_memory_names_a_config_that_fits_and_says_why(capsys):
     assert chosen and float(chosen.group(2)) <= 8 and "need more" in chosen.group(3)
     section = json.loads(out.split("zero_optimization: ")[1].splitlines()[0])
     assert section["stage"] == 3 and section["offload_param"]["device"] == "nvme"
+    assert "nvme_path needs 24.00 GB free per rank" in out  # 3e9 x 16 B / 2 ranks: fp32 Adam states in files
 
 
 def test_fit_memory_says_when_nothing_fits(capsys):

@@ -228,6 +228,8 @@ def render_fit(result, what: str) -> str:
     lines += [f"cheapest that fits: {chosen.label}, predicted peak {_mib(chosen.peak.total)} <= {_mib(budget)}; "
               f"{why}",
               "zero_optimization: " + json.dumps(zero_section(chosen.run))]
+    if chosen.peak.disk_bytes:
+        lines.append(f"nvme_path needs {chosen.peak.disk_bytes / 1e9:.2f} GB free per rank (a fast local disk)")
     return "\n".join(lines)
 
 
