@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
 from .comm import watchdog
@@ -98,8 +99,10 @@ class ZeroEngine:
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
         # communication/accumulation dtypes, pre/post divisors: one arithmetic for all stages (flat/grad_arithmetic.py)
+        self.autocast = AutocastPolicy.from_config(config, model)  # torch_autocast (autocast.py), or None
         arithmetic = GradArithmetic(self.world_size, self.precision.grad_accum_dtype, self.precision.reduce_dtype,
-                                    config.gradient_predivide_factor, config.prescale_gradients)
+                                    config.gradient_predivide_factor, config.prescale_gradients,
+                                    *(() if self.autocast is None else (self.autocast.low_precision_ids, self.autocast.dtype)))
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
         self.units = self.sharding.units
         # offload_param (stage 3): the offload.ShardStore holding the parameter shards, or None
@@ -133,7 +136,8 @@ class ZeroEngine:
             args, kwargs = cast_floats((args, kwargs), self.precision.param_dtype)
         watchdog.activity.enter("forward")
         self.monitor.before_forward(self.global_step)
-        with self._timed("forward"):
+        with self._timed("forward"), \
+                contextlib.nullcontext() if self.autocast is None else self.autocast.forward(self.module):
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -43,6 +43,7 @@ from .. import comm
 from .buffer import FlatBuffer, alloc_storage, free_storage
 from .grad_arithmetic import GradArithmetic
 from .layout import FlatLayout
+from .split_reduce import SplitReduce
 
 # (output slice, full buffer, async_op) -> handle; sums `full` over ranks, this rank's slice in output
 ReduceFn = Callable[[torch.Tensor, torch.Tensor, bool], comm.Handle]
@@ -87,7 +88,15 @@ class GradShard:
         self.name = name              # for error messages
         self._reduce = reduce
         accum_dtype = arithmetic.accum_dtype_for(first.dtype)
-        self.comm_dtype = arithmetic.comm_dtype_for(first.dtype)
+        # torch_autocast: the safe modules' gradients are summed in their own dtype; a unit holding both kinds
+        # reduces in two collectives (flat/split_reduce.py), the buffer in the other parameters' dtype
+        low = [id(p) in arithmetic.low_precision_ids for p in params]
+        self.split = SplitReduce(layout, low, arithmetic.low_precision_dtype) if any(low) and not all(low) else None
+        self.comm_dtype = arithmetic.comm_dtype_of(next((p for p, is_low in zip(params, low) if not is_low), first))
+        if self.split is not None and keep_full:
+            raise AssertionError(f"gradient shard {name}: a persistent full buffer cannot mix reduction dtypes "
+                                 f"(buckets are split by reduction dtype)")
+        self._pending_low: Optional[PendingReduce] = None  # the split's low-dtype reduction in flight
         self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
         if keep_full:
             self.shard = self.full.shard(shard_index)
@@ -158,6 +167,10 @@ class GradShard:
         if self.state is GradState.REDUCED:
             self._open_round()  # another rank needs a further round; ours adds nothing new
         self._ensure_full()  # a rank without gradients takes part with zeros
+        if self.split is not None:  # the low-dtype part first: split() zeroes it in the full buffer
+            low = FlatBuffer(self.layout, self.split.low_dtype, self.full.tensor.device,
+                             self.arithmetic.to_send(self.split.split(self.full.tensor), self.split.low_dtype))
+            self._pending_low = PendingReduce(self._reduce(low.shard(self.shard_index), low.tensor, async_op), low)
         send = self.arithmetic.to_send(self.full.tensor, self.comm_dtype)
         sent = self.full if send is self.full.tensor else FlatBuffer(self.layout, send.dtype, send.device, send)
         self._pending = PendingReduce(self._reduce(sent.shard(self.shard_index), sent.tensor, async_op), sent)
@@ -173,6 +186,11 @@ class GradShard:
         # Sum across ranks, then divide (by default): exact for two ranks in fp32, and what a single
         # process computes on the global batch up to summation order.
         reduced = self.arithmetic.finish(pending.sent.shard(self.shard_index))
+        if self.split is not None:
+            low, self._pending_low = self._pending_low, None
+            low.handle.wait()
+            reduced = self.split.merge(reduced, self.arithmetic.finish(low.sent.shard(self.shard_index)),
+                                       self.layout.shard_range(self.shard_index))
         if self.keep_full and pending.sent is not self.full:
             reduced = self.shard.copy_(reduced)  # reduced in the communication dtype; the copy is dropped
         elif not self.keep_full:

@@ -118,7 +118,7 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
 
     Parameters are walked in reverse model order, which approximates the order in which backward
     produces their gradients, so early buckets complete (and start reducing) early. A bucket never
-    mixes param groups (its shard is one tensor of one group) or dtypes. `whole[g]`: group g's
+    mixes param groups (its shard is one tensor of one group), dtypes or reduction dtypes (torch_autocast). `whole[g]`: group g's
     buckets give each rank whole tensors (flat/whole_tensor_layout.py); see [Note: whole-tensor buckets].
     """
     whole = whole or [False] * len(groups)
@@ -129,7 +129,7 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
     buckets: list[GradBucket] = []
     open_: dict[tuple, tuple[list, int]] = {}
     for gi, p in items:
-        key = (gi, p.dtype, p.device)
+        key = (gi, p.dtype, p.device, arithmetic.comm_dtype_of(p) if arithmetic is not None else None)
         params, numel = open_.get(key, ([], 0))
         # [Note: whole-tensor buckets] Each bucket's whole tensors are balanced over the ranks on their
         # own (its shards are equal, so the fullest rank sets the padding for all). A bucket of a few
@@ -142,7 +142,7 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
             buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic))
             params, numel = [], 0
         open_[key] = (params + [p], numel + p.numel())
-    for (gi, _, _), (params, _) in open_.items():
+    for (gi, *_), (params, _) in open_.items():
         if params:
             buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic))
     return buckets
