@@ -3,7 +3,7 @@
 An existing DeepSpeed config works unchanged where its keys mean the same thing here. Every model
 forbids unknown keys, and the error names the key and the closest valid one; every accepted key is
 honoured by the engine (a key zerodp cannot honour yet is refused with a message saying so, never
-silently dropped). VISSL's YAML dialect is translated by `zerodp.config.vissl` before validation.
+silently dropped). VISSL's YAML dialect is translated by `zerodp.vissl` before validation.
 
 Each field's description doubles as the reference documentation (`zerodp.config.reference_markdown`).
 """
@@ -27,7 +27,7 @@ from .offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, chec
 from ..errors import ConfigError
 from .monitor import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig,
                               WandbConfig)  # DeepSpeed's monitoring sections
-from .vissl import is_vissl, translate_vissl
+from ..vissl import is_vissl, translate_vissl
 
 
 class NonFinitePolicy(str, Enum):
