@@ -389,11 +389,8 @@ def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroCon
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
                process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True) -> ZeroEngine:
-    """Wrap `model` for ZeRO training as `config` says; see the README's quick start.
-
-    The one place an engine is built: `zerodp.deepspeed.initialize` and `zerodp.integrations.vissl.initialize`
-    translate their dialect's arguments and call this. `cast_inputs=False`: floating inputs keep their dtype
-    (the DeepSpeed adapter's choice where DeepSpeed does not cast them)."""
+    """Wrap `model` for ZeRO training as `config` says (README's quick start). The one place an engine is built:
+    the DeepSpeed and VISSL entries translate and call this. `cast_inputs=False`: inputs keep their dtype."""
     if optimizer is None:  # a VISSL file builds VISSL's param groups, which needs the model
         from .optim.vissl_optimizer import vissl_initialize_args
         optimizer, config = vissl_initialize_args(model, config)
