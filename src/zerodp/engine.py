@@ -1,7 +1,7 @@
 """The engine: forward, backward, step and accumulation over one model, for every ZeRO stage.
 
 Stages are policies over this one engine, not copies of it: stages 0-2 lay trainable parameters out
-in gradient buckets (`stage12/`), stage 3 in gathered units (`stage3/`). The engine drives either
+in gradient buckets (`replicated_params/`), stage 3 in gathered units (`stage3/`). The engine drives either
 strategy through `seams.ShardingStrategy` and steps its units (`seams.ShardedUnit`) with one
 `ShardedOptimizer`; it is the only caller of both (see seams.py for one step's calls in order).
 
@@ -30,7 +30,7 @@ from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
 from .errors import NonFiniteError
 from .flat.grad_arithmetic import GradArithmetic
-from .optim.lr_schedules import build_schedule
+from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
 from .monitor.monitor import Monitor
@@ -41,8 +41,8 @@ from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
-from .stage12.buckets import ReducePolicy, build_buckets
-from .stage12.strategy import GradReducer
+from .replicated_params.buckets import ReducePolicy, build_buckets
+from .replicated_params.strategy import GradReducer
 from .stage3 import build_stage3_sharding
 
 log = logging.getLogger("zerodp")
@@ -116,7 +116,7 @@ class ZeroEngine:
             param_home=self.param_home, grad_home=self.grad_home)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
-            build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
+            build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
         # DeepSpeed's monitoring sections (csv_monitor, tensorboard, wandb, comms_logger, flops_profiler)
         self.monitor = Monitor.from_config(config, self.rank, self.world_size, self.train_batch_size)
         if self.rank == 0:

@@ -124,7 +124,8 @@ def test_bounded_packages_import_only_what_they_promise():
 
 
 def test_only_the_cli_imports_the_app():
-    importers = {src: sorted(set(mods["app"])) for src, mods in package_graph().items() if "app" in mods and src != "cli"}
+    importers = {src: sorted(set(mods["app"])) for src, mods in package_graph().items()
+                 if "app" in mods and src != "cli"}
     assert not importers, f"the library imports the `zerodp train` application (only cli may): {importers}"
 
 

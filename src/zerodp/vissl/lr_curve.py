@@ -47,7 +47,8 @@ def _float(section: str, value) -> float:
 
 
 def build_lr_curve(spec: dict, num_epochs: int, section: str = "OPTIMIZER.param_schedulers.lr") -> LRCurve:
-    """The curve (a function of `where`) of one VISSL schedule mapping (keys other kinds use are ignored, as in VISSL)."""
+    """The curve (a function of `where`) of one VISSL schedule mapping (keys other kinds use are ignored, as in
+    VISSL)."""
     name = spec.get("name")
     if name not in _KEYS:
         raise ConfigError(f"VISSL config: {section}.name '{name}' is not supported; zerodp supports "
