@@ -113,14 +113,14 @@ class VisslLRScheduler:
     ZeroTrainer/engine user does, like a torch LR scheduler). `lr_at(step)` is the pure formula.
     """
 
-    def __init__(self, param_groups: Iterable[dict], schedule: LRCurve, num_epochs: int, steps_per_epoch: int,
+    def __init__(self, param_groups: Iterable[dict], curve: LRCurve, num_epochs: int, steps_per_epoch: int,
                  update_interval: str) -> None:
         if steps_per_epoch < 1:
             raise ConfigError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
         if update_interval not in ("step", "epoch"):
             raise ConfigError(f"VISSL config: update_interval is 'step' or 'epoch', got {update_interval!r}")
         self.param_groups = list(param_groups)
-        self.schedule, self.num_epochs, self.steps_per_epoch = schedule, num_epochs, steps_per_epoch
+        self.curve, self.num_epochs, self.steps_per_epoch = curve, num_epochs, steps_per_epoch
         self.update_interval = update_interval
         self.total_steps = num_epochs * steps_per_epoch
         self.last_step = 0
@@ -133,7 +133,7 @@ class VisslLRScheduler:
         return step / self.total_steps
 
     def lr_at(self, step: int) -> float:
-        return self.schedule(min(self.where(step), 1.0 - WHERE_EPSILON))
+        return self.curve(min(self.where(step), 1.0 - WHERE_EPSILON))
 
     def get_last_lr(self) -> list[float]:
         return [g["lr"] for g in self.param_groups]
