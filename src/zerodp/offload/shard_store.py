@@ -66,7 +66,8 @@ class ShardStore:
     offloads = True  # offload/null_store.py's NullShardStore: False (shards that stay in memory)
 
     def __init__(self, rank_dir: Optional[RankDir], io: Optional[FileIO], max_in_cpu: Optional[int], buffer_count: int,
-                 pin_memory: bool = False, kind: str = "param", owns_files: bool = True) -> None:
+                 pin_memory: bool = False, kind: str = "param", owns_files: bool = True,
+                 read_ahead: bool = True) -> None:
         self.rank_dir = rank_dir       # None: backed by host memory (device cpu with a GPU)
         self.io = io
         self.kind = kind               # "param" or "grad": names the files
@@ -79,6 +80,9 @@ class ShardStore:
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident, oldest first
         self.resident_numel = 0        # elements with storage attached (READING, RESIDENT, WRITING)
         self.peak_resident_numel = 0
+        # read_ahead=False: no order is recorded (and nothing is read ahead); a store whose end_step()
+        # nobody calls must not record one, or `trace` grows by every acquire for the whole run
+        self.read_ahead = read_ahead
         self.trace: list[int] = []     # acquisition order of this step ([Note: parameter read-ahead])
         self._last: list[int] = []
         self._cursor = 0
@@ -152,7 +156,8 @@ class ShardStore:
         entry = self.entries.get(id(shard))
         if entry is None:
             return  # a shard this store does not hold (a persistent unit's view)
-        self.trace.append(id(shard))
+        if self.read_ahead:
+            self.trace.append(id(shard))
         upcoming = self._predict(id(shard))
         self._reap()
         if entry.state is ShardHome.OFFLOADED:

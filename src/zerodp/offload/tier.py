@@ -147,8 +147,10 @@ def build_grad_offload(config: ZeroConfig, param_home):
     if param_home.rank_dir is None or _grads_stay(config):  # a null or host-memory parameter store: in memory
         return None
     section = config.zero_optimization.offload_param
+    # no read-ahead: a gradient shard is first acquired zero (nothing to read) as its reduction lands,
+    # and the step reads each once; the strategy plans only the parameter store's reads (end_step)
     return ShardStore(param_home.rank_dir, param_home.io, section.max_in_cpu, section.buffer_count,
-                      kind="grad", owns_files=False)
+                      kind="grad", owns_files=False, read_ahead=False)
 
 
 def _ranks_on_this_disk(process_group: comm.ProcessGroup) -> int:
