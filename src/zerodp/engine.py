@@ -104,16 +104,12 @@ class ZeroEngine:
                                     config.gradient_predivide_factor, config.prescale_gradients,
                                     *(() if self.autocast is None else (self.autocast.low_precision_ids, self.autocast.dtype)))
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
-        self.units = self.sharding.units
-        # offload_param (stage 3): the offload.ShardStore holding the parameter shards, or None
-        self.param_home = getattr(self.sharding, "param_home", None)
-        self.grad_home = getattr(self.sharding, "grad_home", None)  # ... and their gradient shards (fp32 nvme)
+        self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
-            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            param_home=self.param_home, grad_home=self.grad_home)
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -198,8 +194,7 @@ class ZeroEngine:
                 self.sharding.after_step()  # re-assemble full parameters from the updated shards
             for unit in self.units:
                 unit.zero_grad()
-        if self.param_home is not None:
-            self.param_home.end_step()  # this step's shard order predicts the next (offload read-ahead)
+        self.sharding.end_step()  # stage 3 offload: this step's shard order predicts the next (read-ahead)
         self._loss_finite = None
         self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
@@ -215,7 +210,7 @@ class ZeroEngine:
         """Every rank is here together (the norm is global): name the cause, then stop or skip."""
         loss_finite = True if self._loss_finite is None else bool(self._loss_finite)
         message = describe(self.global_step, self.optimizer.last_grad_norm, loss_finite, self.units,
-                           self.param_names, self.process_group, self.grad_home)
+                           self.param_names, self.process_group)
         if self.config.nonfinite is NonFinitePolicy.STOP:
             raise NonFiniteError(f"{message}. Nothing was written to the parameters or optimizer state. "
                                  f"Lower the learning rate, enable gradient_clipping, check the data, or set "
@@ -299,19 +294,6 @@ class ZeroEngine:
         """comms_logger's table of this rank's collectives (count, bytes, latency; logged on rank 0)."""
         return self.monitor.comms_summary()
 
-    def _params_resident(self, dirty: bool = False):
-        """offload_param: every parameter shard in memory for a block (full_state_dict reads them all)."""
-        if self.param_home is None:
-            return contextlib.nullcontext()
-        return self.param_home.all_resident(dirty=dirty)
-
-    def shards_resident(self, units, dirty: bool = False):
-        """offload_param: the parameter shards of `units` in memory for a block (`dirty`: the block
-        writes them). Checkpoints hold one unit at a time, so a save or load never holds them all."""
-        if self.param_home is None:
-            return contextlib.nullcontext()
-        return self.param_home.resident([u.param_shard for u in units], dirty=dirty)
-
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
@@ -341,7 +323,7 @@ class ZeroEngine:
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
         self.sync_written_shards()
-        with self._params_resident():
+        with self.sharding.all_resident():  # offload_param: full_state_dict reads every shard at once
             return full_state_dict(self, rank0_only=rank0_only)
 
     # -- teardown -------------------------------------------------------------------------------
@@ -356,13 +338,11 @@ class ZeroEngine:
         can no longer communicate; a process group the caller created is left alone.
         """
         self.monitor.close()  # the comms_logger summary is logged here
-        self.sharding.close()  # hooks, the stage-3 parameter registry's entries, its reduction communicator
+        # hooks, the stage-3 parameter registry's entries, its reduction communicator, the offloaded shards'
+        # files (the engine cannot train after this)
+        self.sharding.close()
         if self.optimizer.offload is not None:
             self.optimizer.offload.close()
-        if self.grad_home is not None:   # its files are in the parameter store's folder, closed next
-            self.grad_home.close()
-        if self.param_home is not None:  # the parameter files too: the engine cannot train after this
-            self.param_home.close()
         if self._owns_process_group:
             self._owns_process_group = False
             comm.destroy_distributed()

@@ -27,15 +27,17 @@ How the sum is computed (all-reduce, reduce-scatter, which communicator and stre
 
 [Note: reduced shard destination] `_deliver` is the one place where a reduced slice lands in this
 rank's gradient shard. With `home` (an offload.ShardStore: stage 3, fp32, offload_param nvme) the
-shard lives there between deliveries and the optimizer step, and `sq_norm` keeps its square norm
-from the last delivery, so the step need not read every shard twice ([Note: gradient shards
-offloaded] in offload/shard_store.py).
+shard lives there between deliveries and the optimizer step (`offloaded`): its storage exists only
+inside `resident()`, and `shard_square_norm()` answers from the square norm kept at the last
+delivery, so the step need not read every shard twice ([Note: gradient shards offloaded] in
+offload/shard_store.py). Without a home both are trivial; callers never ask which.
 """
 
 from __future__ import annotations
 
+import contextlib
 from enum import Enum, auto
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, ContextManager, NamedTuple, Optional
 
 import torch
 
@@ -109,10 +111,29 @@ class GradShard:
         self.rounds_launched = 0                                      # reductions launched this micro-step
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
         self._pending: Optional[PendingReduce] = None
-        self.home = home if not keep_full else None  # where `shard` lives between uses, or None
-        self.sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
+        self.home = home if not keep_full else None  # where `shard` lives between uses, or None: in memory
+        self._sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
         if self.home is not None:
             self.home.adopt(self.shard, zeros=True)
+
+    # -- residency ([Note: reduced shard destination]) ---------------------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        """`shard` has storage only inside `resident()` (it lives in an offload store between uses)."""
+        return self.home is not None
+
+    def resident(self) -> ContextManager[None]:
+        """Hold `shard` in memory for a block (a no-op when it always is)."""
+        return contextlib.nullcontext() if self.home is None else self.home.resident([self.shard])
+
+    def shard_square_norm(self) -> torch.Tensor:
+        """The float64 square of `shard`'s 2-norm (`square_norm`), without reading an offloaded shard."""
+        if self.home is None:
+            return square_norm(self.shard)
+        if self._sq_norm is None:  # zeroed since the last step, nothing delivered since
+            return torch.zeros((), dtype=torch.float64, device=self.shard.device)
+        return self._sq_norm
 
     def _to(self, state: GradState) -> None:
         if state not in _ALLOWED[self.state]:
@@ -203,7 +224,7 @@ class GradShard:
         if self.home is not None:
             with self.home.resident([self.shard], dirty=True):
                 self.shard.add_(reduced)
-                self.sq_norm = square_norm(self.shard)
+                self._sq_norm = square_norm(self.shard)
             free_storage(self.full.tensor)
         elif not self.keep_full:
             self.shard.add_(reduced)
@@ -229,7 +250,7 @@ class GradShard:
             self.full.tensor.zero_()
         elif self.home is not None:
             self.home.zero(self.shard)
-            self.sq_norm = None
+            self._sq_norm = None
             free_storage(self.full.tensor)
         else:
             self.shard.zero_()

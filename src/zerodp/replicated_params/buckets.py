@@ -15,8 +15,9 @@ Stage policy, in one place (`ReducePolicy`):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 
@@ -49,6 +50,10 @@ class ReducePolicy:
 
 class GradBucket:
     """Flat parameter buffer and gradient shard of one communication unit (stages 0-2)."""
+
+    # stages 0-2 offload no parameter or gradient (offload_optimizer moves optimizer state only)
+    param_offloaded = False
+    grad_offloaded = False
 
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, policy: ReducePolicy,
                  process_group: comm.ProcessGroup, whole_tensors: bool = False,
@@ -85,6 +90,17 @@ class GradBucket:
     def grad_shard(self) -> torch.Tensor:
         """This rank's reduced, rank-averaged gradients (the whole buffer at stage 0)."""
         return self.grads.shard
+
+    def resident(self, dirty: bool = False) -> ContextManager[None]:
+        """The shards are always in memory."""
+        return contextlib.nullcontext()
+
+    def grad_resident(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def grad_square_norm(self) -> torch.Tensor:
+        """float64 square of the gradient shard's 2-norm."""
+        return self.grads.shard_square_norm()
 
     def param_bytes(self) -> int:
         """Bytes of parameter storage this bucket holds on this rank."""
