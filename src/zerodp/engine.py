@@ -275,10 +275,7 @@ class ZeroEngine:
         return self
 
     def _release_kept_units(self) -> None:
-        # stage 3 keeps units gathered between evaluation forwards (stage3/inference_cache.py)
-        release = getattr(self.sharding, "release_kept_units", None)
-        if release is not None:
-            release()
+        self.sharding.release_kept_units()  # stage 3 keeps units gathered between evaluation forwards
 
     def eval(self) -> "ZeroEngine":
         return self.train(False)

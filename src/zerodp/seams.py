@@ -96,6 +96,7 @@ class ShardingStrategy(Protocol):
     def after_step(self) -> None: ...  # re-assemble full parameters from the updated shards
 
     def end_step(self) -> None: ...  # an optimizer step ended, taken or skipped (offload: plan the next's reads)
+    def release_kept_units(self) -> None: ...  # drop units kept gathered between evaluation forwards
 
     def take_written_units(self) -> list[ShardedUnit]: ...  # shards written outside the optimizer
 

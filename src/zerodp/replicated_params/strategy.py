@@ -89,6 +89,9 @@ class GradReducer:
     def end_step(self) -> None:
         """Nothing: stages 0-2 keep no per-step plan."""
 
+    def release_kept_units(self) -> None:
+        """Nothing: stages 0-2 keep every parameter whole, nothing is kept gathered."""
+
     def all_resident(self, dirty: bool = False) -> ContextManager[None]:
         """Stages 0-2 never offload parameters: always resident."""
         return contextlib.nullcontext()
