@@ -18,8 +18,8 @@ import argparse
 
 import torch
 
-from zerodp.examples.corpus import ByteCorpus
-from zerodp.examples.gpt import GPT, MODEL_PRESETS, lm_loss
+from zerodp.app.corpus import ByteCorpus
+from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
 from zerodp.flat.grad_arithmetic import GradArithmetic
 
 MODES = {  # name -> (communication dtype, accumulation dtype)

@@ -128,7 +128,7 @@ def case_small(baseline: int, mode: str, measure: bool, stage: int = 3):
 def case_3b(baseline: int):
     sys.path.insert(0, str(ROOT))
     from bench.harness.big_offload import SIZES, make_config
-    from zerodp.examples.gpt import GPT
+    from zerodp.models.gpt import GPT
 
     gpt = SIZES["3b"]
     block = 12 * gpt.n_embd ** 2 + 13 * gpt.n_embd

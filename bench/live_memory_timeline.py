@@ -25,7 +25,7 @@ from bench.harness.live_memory import in_use_bytes
 from bench.harness.models import BENCH_MODELS
 from bench.harness.strategies import STRATEGIES
 from bench.harness.worker import mean_over_ranks, train_step
-from zerodp.examples.gpt import GPT
+from zerodp.models.gpt import GPT
 
 MIB = 2 ** 20
 

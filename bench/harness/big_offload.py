@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import zerodp
 
 from zerodp import comm
-from zerodp.examples.gpt import GPT, GPTConfig
+from zerodp.models.gpt import GPT, GPTConfig
 from .models import synthetic_tokens
 
 SIZES = {
@@ -70,7 +70,7 @@ def make_config(nvme_path: str, micro_batch: int, block_numel: int) -> dict:
 def io_waits(engine) -> tuple[float, float]:
     """Seconds blocked on NVMe reads and writes so far (parameter and gradient shards, optimizer state)."""
     read = write = 0.0
-    for part in (engine.param_home, engine.grad_home, engine.optimizer.offload):
+    for part in (engine.sharding.param_home, engine.sharding.grad_home, engine.optimizer.offload):
         if part is not None:
             read, write = read + part.read_wait_s, write + part.write_wait_s
     return read, write
@@ -79,8 +79,8 @@ def io_waits(engine) -> tuple[float, float]:
 def io_bytes(engine) -> tuple[int, int, int]:
     """(bytes on disk, bytes read, bytes written) of this rank so far (the gradient store shares the
     parameter store's I/O pool, so its bytes are counted there)."""
-    home, state = engine.param_home, engine.optimizer.offload
-    disk = home.disk_bytes() + state.disk_bytes() + (engine.grad_home.disk_bytes() if engine.grad_home else 0)
+    home, grads, state = engine.sharding.param_home, engine.sharding.grad_home, engine.optimizer.offload
+    disk = home.disk_bytes() + state.disk_bytes() + (grads.disk_bytes() if grads else 0)
     read = home.read_bytes + state.owned[0].read_bytes
     written = home.written_bytes + state.owned[0].written_bytes
     return disk, read, written

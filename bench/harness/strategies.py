@@ -86,7 +86,7 @@ def fsdp1(model: nn.Module, strategy: str) -> Runner:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from zerodp.examples.gpt import Block
+    from zerodp.models.gpt import Block
 
     wrapped = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
                    auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))

@@ -1,7 +1,7 @@
 """The engine: forward, backward, step and accumulation over one model, for every ZeRO stage.
 
 Stages are policies over this one engine, not copies of it: stages 0-2 lay trainable parameters out
-in gradient buckets (`stage12/`), stage 3 in gathered units (`stage3/`). The engine drives either
+in gradient buckets (`replicated_params/`), stage 3 in gathered units (`stage3/`). The engine drives either
 strategy through `seams.ShardingStrategy` and steps its units (`seams.ShardedUnit`) with one
 `ShardedOptimizer`; it is the only caller of both (see seams.py for one step's calls in order).
 
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
 from .comm import watchdog
@@ -29,7 +30,7 @@ from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
 from .errors import NonFiniteError
 from .flat.grad_arithmetic import GradArithmetic
-from .optim.lr_schedules import build_schedule
+from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
 from .monitor.monitor import Monitor
@@ -40,8 +41,8 @@ from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
-from .stage12.buckets import ReducePolicy, build_buckets
-from .stage12.strategy import GradReducer
+from .replicated_params.buckets import ReducePolicy, build_buckets
+from .replicated_params.strategy import GradReducer
 from .stage3 import build_stage3_sharding
 
 log = logging.getLogger("zerodp")
@@ -98,22 +99,20 @@ class ZeroEngine:
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
         # communication/accumulation dtypes, pre/post divisors: one arithmetic for all stages (flat/grad_arithmetic.py)
+        self.autocast = AutocastPolicy.from_config(config, model)  # torch_autocast (autocast.py), or None
         arithmetic = GradArithmetic(self.world_size, self.precision.grad_accum_dtype, self.precision.reduce_dtype,
-                                    config.gradient_predivide_factor, config.prescale_gradients)
+                                    config.gradient_predivide_factor, config.prescale_gradients,
+                                    *(() if self.autocast is None else (self.autocast.low_precision_ids, self.autocast.dtype)))
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
-        self.units = self.sharding.units
-        # offload_param (stage 3): the offload.ShardStore holding the parameter shards, or None
-        self.param_home = getattr(self.sharding, "param_home", None)
-        self.grad_home = getattr(self.sharding, "grad_home", None)  # ... and their gradient shards (fp32 nvme)
+        self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
         self.optimizer = ShardedOptimizer(
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
-            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            param_home=self.param_home, grad_home=self.grad_home)
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
-            build_schedule(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
+            build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
         # DeepSpeed's monitoring sections (csv_monitor, tensorboard, wandb, comms_logger, flops_profiler)
         self.monitor = Monitor.from_config(config, self.rank, self.world_size, self.train_batch_size)
         if self.rank == 0:
@@ -133,7 +132,8 @@ class ZeroEngine:
             args, kwargs = cast_floats((args, kwargs), self.precision.param_dtype)
         watchdog.activity.enter("forward")
         self.monitor.before_forward(self.global_step)
-        with self._timed("forward"):
+        with self._timed("forward"), \
+                contextlib.nullcontext() if self.autocast is None else self.autocast.forward(self.module):
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -194,8 +194,7 @@ class ZeroEngine:
                 self.sharding.after_step()  # re-assemble full parameters from the updated shards
             for unit in self.units:
                 unit.zero_grad()
-        if self.param_home is not None:
-            self.param_home.end_step()  # this step's shard order predicts the next (offload read-ahead)
+        self.sharding.end_step()  # stage 3 offload: this step's shard order predicts the next (read-ahead)
         self._loss_finite = None
         self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
@@ -211,7 +210,7 @@ class ZeroEngine:
         """Every rank is here together (the norm is global): name the cause, then stop or skip."""
         loss_finite = True if self._loss_finite is None else bool(self._loss_finite)
         message = describe(self.global_step, self.optimizer.last_grad_norm, loss_finite, self.units,
-                           self.param_names, self.process_group, self.grad_home)
+                           self.param_names, self.process_group)
         if self.config.nonfinite is NonFinitePolicy.STOP:
             raise NonFiniteError(f"{message}. Nothing was written to the parameters or optimizer state. "
                                  f"Lower the learning rate, enable gradient_clipping, check the data, or set "
@@ -276,10 +275,7 @@ class ZeroEngine:
         return self
 
     def _release_kept_units(self) -> None:
-        # stage 3 keeps units gathered between evaluation forwards (stage3/inference_cache.py)
-        release = getattr(self.sharding, "release_kept_units", None)
-        if release is not None:
-            release()
+        self.sharding.release_kept_units()  # stage 3 keeps units gathered between evaluation forwards
 
     def eval(self) -> "ZeroEngine":
         return self.train(False)
@@ -294,19 +290,6 @@ class ZeroEngine:
     def comms_summary(self) -> str:
         """comms_logger's table of this rank's collectives (count, bytes, latency; logged on rank 0)."""
         return self.monitor.comms_summary()
-
-    def _params_resident(self, dirty: bool = False):
-        """offload_param: every parameter shard in memory for a block (full_state_dict reads them all)."""
-        if self.param_home is None:
-            return contextlib.nullcontext()
-        return self.param_home.all_resident(dirty=dirty)
-
-    def shards_resident(self, units, dirty: bool = False):
-        """offload_param: the parameter shards of `units` in memory for a block (`dirty`: the block
-        writes them). Checkpoints hold one unit at a time, so a save or load never holds them all."""
-        if self.param_home is None:
-            return contextlib.nullcontext()
-        return self.param_home.resident([u.param_shard for u in units], dirty=dirty)
 
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
@@ -337,7 +320,7 @@ class ZeroEngine:
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
         self.sync_written_shards()
-        with self._params_resident():
+        with self.sharding.all_resident():  # offload_param: full_state_dict reads every shard at once
             return full_state_dict(self, rank0_only=rank0_only)
 
     # -- teardown -------------------------------------------------------------------------------
@@ -352,13 +335,11 @@ class ZeroEngine:
         can no longer communicate; a process group the caller created is left alone.
         """
         self.monitor.close()  # the comms_logger summary is logged here
-        self.sharding.close()  # hooks, the stage-3 parameter registry's entries, its reduction communicator
+        # hooks, the stage-3 parameter registry's entries, its reduction communicator, the offloaded shards'
+        # files (the engine cannot train after this)
+        self.sharding.close()
         if self.optimizer.offload is not None:
             self.optimizer.offload.close()
-        if self.grad_home is not None:   # its files are in the parameter store's folder, closed next
-            self.grad_home.close()
-        if self.param_home is not None:  # the parameter files too: the engine cannot train after this
-            self.param_home.close()
         if self._owns_process_group:
             self._owns_process_group = False
             comm.destroy_distributed()
@@ -384,12 +365,13 @@ def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroCon
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
-               process_group: comm.ProcessGroup = None) -> ZeroEngine:
-    """Wrap `model` for ZeRO training as `config` says; see the README's quick start."""
+               process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True) -> ZeroEngine:
+    """Wrap `model` for ZeRO training as `config` says (README's quick start). The one place an engine is built:
+    the DeepSpeed and VISSL entries translate and call this. `cast_inputs=False`: inputs keep their dtype."""
     if optimizer is None:  # a VISSL file builds VISSL's param groups, which needs the model
-        from .optim.vissl_params import vissl_initialize_args
+        from .optim.vissl_optimizer import vissl_initialize_args
         optimizer, config = vissl_initialize_args(model, config)
     config = load_config(config)
     watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
     comm.init_distributed()
-    return ZeroEngine(model, optimizer, config, process_group)
+    return ZeroEngine(model, optimizer, config, process_group, cast_inputs)

@@ -17,7 +17,6 @@ Diagnosis runs only after detection, so its collective (an object all-gather) is
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional, Sequence
 
@@ -41,13 +40,12 @@ def check_hyperparameters(param_groups: Sequence[dict], where: str = "the optimi
                                      f"use a finite value (a NaN or infinite {key} would make every parameter NaN)")
 
 
-def first_nonfinite_parameter(units, names: dict[int, list[str]], grad_home=None) -> Optional[str]:
+def first_nonfinite_parameter(units, names: dict[int, list[str]]) -> Optional[str]:
     """Name of the first parameter (units in order) whose part of this rank's gradient shard is not finite.
-    `grad_home`: the offload.ShardStore of offloaded gradient shards (read one at a time), or None."""
+    Offloaded gradient shards are read one at a time."""
     for unit in units:
-        grad = unit.grad_shard
-        with contextlib.nullcontext() if grad_home is None else grad_home.resident([grad]):
-            name = _first_nonfinite_in(unit, grad, names)
+        with unit.grad_resident():
+            name = _first_nonfinite_in(unit, unit.grad_shard, names)
         if name is not None:
             return name
     return None
@@ -64,12 +62,12 @@ def _first_nonfinite_in(unit, grad: torch.Tensor, names: dict[int, list[str]]) -
 
 
 def describe(step: int, norm: float, loss_finite: bool, units, names: dict[int, list[str]],
-             process_group: comm.ProcessGroup, grad_home=None) -> str:
+             process_group: comm.ProcessGroup) -> str:
     """One message, the same on every rank: which ranks' losses and which parameter were not finite.
 
     Every rank must call it (it gathers each rank's findings); it only runs after detection.
     """
-    mine = (comm.get_rank(process_group), loss_finite, first_nonfinite_parameter(units, names, grad_home))
+    mine = (comm.get_rank(process_group), loss_finite, first_nonfinite_parameter(units, names))
     found = comm.all_gather_object(mine, process_group)
     bad_loss = [r for r, finite, _ in found if not finite]
     first = next(((r, name) for r, _, name in found if name is not None), None)

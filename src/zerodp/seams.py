@@ -1,7 +1,8 @@
 """The seams between zerodp's parts, written down as `typing.Protocol`s that the code obeys.
 
-    engine ──drives──> ShardingStrategy (stage12.strategy.GradReducer, stage3.strategy.Stage3Sharding)
-       │                   └── units: ShardedUnit (stage12.buckets.GradBucket, stage3.flat_unit.FlatUnit)
+    engine ──drives──> ShardingStrategy (replicated_params.strategy.GradReducer,
+       │                                 stage3.strategy.Stage3Sharding)
+       │                   └── units: ShardedUnit (replicated_params.buckets.GradBucket, stage3.flat_unit.FlatUnit)
        └──steps──> optim.optimizer.ShardedOptimizer (over the strategy's units)
     checkpoint ──reads──> CheckpointEngine: the engine's public members, its strategy's units and
                           its optimizer's CheckpointOptimizer members, nothing private
@@ -13,11 +14,17 @@ Calls run one way: the engine calls the strategy and the optimizer; neither call
 back into the engine. One optimizer step, as the engine runs it:
     strategy.start_micro_step(reduce) ; loss.backward() ; received = strategy.finish_micro_step(boundary)
     at a boundary: optimizer.step(received) ; strategy.after_step() (if it stepped) ; unit.zero_grad()
+                   ; strategy.end_step()
+
+Residency (offload_param, stage 3) is the unit's own business ([Note: a unit owns its residency] in
+stage3/flat_unit.py): a unit's shards may have storage only inside `unit.resident(dirty=...)` /
+`unit.grad_resident()`, so every reader of `param_shard` / `grad_shard` holds them there; where nothing
+is offloaded those blocks are empty. Nobody above the units and the strategy touches an offload store.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, ContextManager, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -35,17 +42,39 @@ class ShardedUnit(Protocol):
     layout: FlatLayout
     shard_index: int            # which of layout.num_shards slices this rank holds
 
+    # this rank's parameter slice (the model computes on it); storage only inside resident() if param_offloaded
     @property
-    def param_shard(self) -> torch.Tensor: ...  # this rank's parameter slice (the model computes on it)
+    def param_shard(self) -> torch.Tensor: ...
+
+    # this rank's reduced, rank-averaged gradient slice; storage only inside grad_resident() if grad_offloaded
+    @property
+    def grad_shard(self) -> torch.Tensor: ...
 
     @property
-    def grad_shard(self) -> torch.Tensor: ...   # this rank's reduced, rank-averaged gradient slice
+    def param_offloaded(self) -> bool: ...  # param_shard lives in an offload store between uses
+
+    @property
+    def grad_offloaded(self) -> bool: ...   # grad_shard too (stage 3, fp32, offload_param nvme)
+
+    def resident(self, dirty: bool = False) -> ContextManager[None]: ...  # param_shard in memory (dirty: written)
+
+    def grad_resident(self) -> ContextManager[None]: ...  # grad_shard in memory for reading
+
+    def grad_square_norm(self) -> torch.Tensor: ...  # float64 |grad_shard|^2, without reading an offloaded shard
 
     def zero_grad(self) -> None: ...
 
     def param_bytes(self) -> int: ...
 
     def grad_bytes(self) -> int: ...
+
+
+class ParamOffload(NamedTuple):
+    """offload_param (stage 3): this rank's offloaded shards as they are now (what memory_report reads)."""
+
+    limit_numel: int                # parameter elements kept in memory at most (max_in_cpu, or the working set)
+    disk_bytes: int                 # the parameter shards' files
+    grad_disk_bytes: Optional[int]  # fp32 nvme: the gradient shards' files; None: gradient shards stay in memory
 
 
 @runtime_checkable
@@ -66,11 +95,18 @@ class ShardingStrategy(Protocol):
 
     def after_step(self) -> None: ...  # re-assemble full parameters from the updated shards
 
+    def end_step(self) -> None: ...  # an optimizer step ended, taken or skipped (offload: plan the next's reads)
+    def release_kept_units(self) -> None: ...  # drop units kept gathered between evaluation forwards
+
     def take_written_units(self) -> list[ShardedUnit]: ...  # shards written outside the optimizer
+
+    def all_resident(self, dirty: bool = False) -> ContextManager[None]: ...  # every unit's param_shard in memory
+
+    def param_offload(self) -> Optional[ParamOffload]: ...  # None: no parameter shard leaves memory
 
     def prepare_for_compile(self) -> None: ...  # its module hooks must run eagerly under torch.compile
 
-    def close(self) -> None: ...  # remove hooks, registry entries and communicators it created
+    def close(self) -> None: ...  # remove hooks, registry entries, communicators and offload files it created
 
 
 @runtime_checkable
@@ -121,6 +157,3 @@ class CheckpointEngine(Protocol):
 
     @property
     def at_step_boundary(self) -> bool: ...  # no gradient accumulated since the last optimizer step
-
-    # offload_param: a unit's param_shard has storage only inside this block (elsewhere a no-op)
-    def shards_resident(self, units: Sequence[ShardedUnit], dirty: bool = False) -> Any: ...

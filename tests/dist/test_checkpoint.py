@@ -17,7 +17,7 @@ from tests.dist.common import (assert_matches_reference, make_model, make_optimi
                                train_steps)
 from zerodp.checkpoint import format as fmt
 from zerodp.checkpoint import consolidate_main
-from zerodp.examples.gpt import GPT, GPTConfig, lm_loss
+from zerodp.models.gpt import GPT, GPTConfig, lm_loss
 
 
 GAS, CLIP, GLOBAL_ROWS = 2, 0.5, 12  # 12 rows: micro batches of 3 at world 2, of 2 at world 3

@@ -56,7 +56,7 @@ def nan_run(stage: int, policy: str, where: str, precision: str, nvme: str = "")
         out["finite"] = all(bool(torch.isfinite(p).all()) for p in after)
         if out["error"]:
             break
-    out["grads_offloaded"] = engine.grad_home is not None
+    out["grads_offloaded"] = any(u.grad_offloaded for u in engine.units)
     out["nonfinite_steps"] = engine.nonfinite_steps
     out["skipped"] = engine.skipped_steps
     with zerodp.gathered_parameters(list(model.parameters())):

@@ -37,8 +37,8 @@ def run(cfg: dict, opt_name: str) -> tuple[list[float], dict, dict]:
     losses = train_steps(engine, STEPS, MICRO_BS)
     params = engine.full_state_dict(rank0_only=False)
     facts = {}
-    home, grads = engine.param_home, engine.grad_home
-    if home is not None:
+    home, grads = engine.sharding.param_home, engine.sharding.grad_home  # the stage-3 strategy's stores
+    if home.offloads:
         facts = {"shards": len(home.entries), "disk_bytes": home.disk_bytes(), "read_bytes": home.read_bytes,
                  "peak_resident_numel": home.peak_resident_numel, "folder": home.rank_dir.path,
                  "grad_shards": len(grads.entries) if grads is not None else 0,
@@ -46,7 +46,7 @@ def run(cfg: dict, opt_name: str) -> tuple[list[float], dict, dict]:
                  "grad_peak_resident_numel": grads.peak_resident_numel if grads is not None else 0,
                  "sharded_trainable": [u.grad_shard.numel() * 4 for u in engine.units if not u.persistent]}
     engine.close()
-    if home is not None:
+    if home.offloads:
         facts["folder_removed"] = not facts.pop("folder").exists()
     return losses, params, facts
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zerodp
-from zerodp.examples.gpt import GPT, GPTConfig, lm_loss
+from zerodp.models.gpt import GPT, GPTConfig, lm_loss
 from tests.dist import common
 
 STEPS, MICRO_BS, GAS, CLIP = 4, 2, 2, 0.5

@@ -17,7 +17,7 @@ from torch import nn
 
 import zerodp
 import zerodp.integrations.vissl
-from zerodp.config_vissl import load_vissl
+from zerodp.vissl import load_vissl
 
 SWAV = Path(__file__).resolve().parents[1] / "configs" / "vissl" / "swav_8node_resnet.yaml"
 STEPS_PER_EPOCH, MICRO_BS = 6, 3

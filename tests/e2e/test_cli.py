@@ -10,7 +10,7 @@ import pytest
 
 from zerodp import cli
 from zerodp.memory import render_paper_table
-from zerodp.examples.train_args import TrainArgs
+from zerodp.app.train_args import TrainArgs
 
 
 def run_main(capsys, *argv) -> tuple[int, str, str]:
@@ -107,7 +107,7 @@ def test_batch_that_does_not_divide_the_world_is_a_config_error(capsys, tmp_path
 def test_more_ranks_than_cores_is_a_warning(monkeypatch, capsys):
     import torch.distributed.launcher.api as launcher_api
 
-    from zerodp.examples import train
+    from zerodp.app import train
 
     launched = {}
     monkeypatch.setattr(launcher_api, "elastic_launch",
@@ -123,7 +123,7 @@ def test_more_ranks_than_cores_is_a_warning(monkeypatch, capsys):
 
 
 def test_options_override_config_file_and_defaults(tmp_path, monkeypatch):
-    from zerodp.examples.train_args import resolve_train_args
+    from zerodp.app.train_args import resolve_train_args
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -140,7 +140,7 @@ def test_options_override_config_file_and_defaults(tmp_path, monkeypatch):
 
 
 def test_learning_rate_schedule():
-    from zerodp.examples.train import lr_at
+    from zerodp.app.train import lr_at
 
     lrs = [lr_at(s, 100, 1.0) for s in range(100)]
     assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)  # 5 warm-up steps

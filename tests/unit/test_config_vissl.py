@@ -11,9 +11,9 @@ from torch import nn
 
 import zerodp
 from zerodp.config import ConfigError, load_config
-from zerodp.config_vissl import load_vissl
-from zerodp.config.vissl_defaults import VISSL_DEFAULTS
-from zerodp.optim.vissl_params import vissl_optimizer, vissl_param_groups
+from zerodp.vissl import load_vissl
+from zerodp.vissl.defaults import VISSL_DEFAULTS
+from zerodp.optim.vissl_optimizer import vissl_lr_scheduler, vissl_optimizer, vissl_param_groups
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vissl"
 SWAV, SIMCLR = CONFIGS / "swav_8node_resnet.yaml", CONFIGS / "simclr_8node_resnet.yaml"
@@ -67,7 +67,7 @@ def test_swav_optimizer_larc_groups_and_schedule():
     steps_per_epoch = 10
     model = TinyNet()
     optimizer = vissl_optimizer(setup, model)
-    schedule = setup.lr_schedule(optimizer, steps_per_epoch)
+    schedule = vissl_lr_scheduler(setup, optimizer, steps_per_epoch)
     total = 400 * steps_per_epoch
     assert schedule.lr_at(0) == pytest.approx(0.6)
     assert schedule.lr_at(50) == pytest.approx(0.6 + (4.8 - 0.6) * 50 / 100)  # halfway through the warmup
@@ -101,7 +101,7 @@ def test_param_groups_follow_vissl_regularize_rules():
     assert len(optimizer.param_groups[1]["params"]) == 4
     assert optimizer.defaults["nesterov"] is True and optimizer.defaults["momentum"] == 0.9
     # auto scaling: 32 x 1 node x 8 = 256 = base batch, so the values stay [0.1, ..., 1e-5] at epochs 30/60/90/100
-    schedule = setup.lr_schedule(optimizer, steps_per_epoch=3)
+    schedule = vissl_lr_scheduler(setup, optimizer, steps_per_epoch=3)
     assert [schedule.lr_at(e * 3) for e in (0, 29, 30, 59, 60, 90, 100, 104)] == pytest.approx(
         [0.1, 0.1, 0.01, 0.01, 0.001, 1e-4, 1e-5, 1e-5])
     assert schedule.lr_at(3 * 30 - 1) == pytest.approx(0.1)  # epoch interval: constant within epoch 29
@@ -119,7 +119,7 @@ def test_sdp_and_nested_form():
     assert setup.zero_config["zero_optimization"]["stage"] == 1
     assert setup.optimizer["momentum"] == 0.8 and setup.optimizer["weight_decay"] == 1e-4
     assert setup.optimizer["larc"] == {"clip": False, "trust_coefficient": 0.001, "eps": 1e-8}  # VISSL's defaults
-    schedule = setup.lr_schedule(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), steps_per_epoch=2)
+    schedule = vissl_lr_scheduler(setup, torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), steps_per_epoch=2)
     assert [schedule.lr_at(s) for s in range(8)] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5]
 
 
@@ -129,7 +129,7 @@ def test_constant_and_composite_rescaled():
         "lengths": [0.5, 0.5], "schedulers": [{"name": "constant", "value": 0.2},
                                               {"name": "linear", "start_value": 1.0, "end_value": 0.0}]}}}}
     setup = load_vissl(spec)
-    schedule = setup.lr_schedule(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), steps_per_epoch=4)
+    schedule = vissl_lr_scheduler(setup, torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), steps_per_epoch=4)
     assert [schedule.lr_at(s) for s in range(4)] == pytest.approx([0.2, 0.2, 1.0, 0.5])
 
 
@@ -186,3 +186,10 @@ def test_errors_name_the_key_and_fix(tmp_path):
     # load_config (no model) gives one group at the schedule's first lr
     cfg = load_config(path)
     assert cfg.optimizer.params["lr"] == pytest.approx(0.6) and cfg.fp16.enabled
+
+
+def test_former_module_path_still_imports():
+    """`zerodp.config_vissl` (the dialect's path before it became the `zerodp.vissl` package) still works."""
+    import zerodp.config_vissl
+
+    assert zerodp.config_vissl.load_vissl is load_vissl

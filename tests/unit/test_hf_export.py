@@ -16,7 +16,7 @@ from tests.dist.common import make_model, make_optimizer, micro_batch
 from zerodp import CheckpointError
 from zerodp.checkpoint.hf_export import ExportedTensor, export_hf, parse_size, plan_shards
 from zerodp.cli.main import main as zerodp_main
-from zerodp.examples.gpt import GPT, GPTConfig
+from zerodp.models.gpt import GPT, GPTConfig
 
 
 @pytest.fixture

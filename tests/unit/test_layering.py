@@ -5,6 +5,11 @@ whose nodes are zerodp's first-level packages (`zerodp.config`, `zerodp.offload`
 modules such as `engine` count as their own node). An edge is any import, at module level or inside a
 function, from a module of one node to a module of another; imports of the root package `zerodp`
 itself (its public API) are not edges. A cycle fails with the modules that make each edge.
+
+A few packages promise a tighter bound in their docstring, checked here too: `vissl` (VISSL's dialect,
+translated) is pure config, which `config` itself imports, so it imports no torch and no zerodp package
+but `errors`; `models` (the bundled GPT) is a library model any layer may import, so it imports no zerodp
+package; `app` (the `zerodp train` application) is above the library: only `cli` imports it.
 """
 
 from __future__ import annotations
@@ -90,6 +95,38 @@ def _cycles(graph: dict[str, dict]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def _third_party(path: Path) -> set[str]:
+    """Top-level names of the non-zerodp modules `path` imports (absolute imports only)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out - {"zerodp", "__future__"}
+
+
+# package: (zerodp packages it may import, third-party modules it must not import)
+BOUNDED = {"vissl": ({"errors"}, {"torch"}), "models": (set(), set())}
+
+
+def test_bounded_packages_import_only_what_they_promise():
+    graph = package_graph()
+    for package, (allowed, banned) in BOUNDED.items():
+        assert (ROOT / package / "__init__.py").exists(), f"zerodp.{package} is gone: update BOUNDED"
+        extra = {dst: mods for dst, mods in graph.get(package, {}).items() if dst not in allowed}
+        assert not extra, f"zerodp.{package} may import only {sorted(allowed)}; it imports {extra}"
+        for path in (ROOT / package).rglob("*.py"):
+            found = _third_party(path) & banned
+            assert not found, f"{_module_name(path)} imports {sorted(found)}; zerodp.{package} promises it does not"
+
+
+def test_only_the_cli_imports_the_app():
+    importers = {src: sorted(set(mods["app"])) for src, mods in package_graph().items()
+                 if "app" in mods and src != "cli"}
+    assert not importers, f"the library imports the `zerodp train` application (only cli may): {importers}"
 
 
 def test_no_package_level_import_cycle():

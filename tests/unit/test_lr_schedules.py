@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zerodp.optim.lr_schedules import LRScheduleError, build_schedule
+from zerodp.optim.lr_schedules import LRScheduleError, build_lr_scheduler
 
 
 def _opt(lr=0.1, cls=torch.optim.AdamW, groups=1):
@@ -27,7 +27,7 @@ def _trace(sched, opt, steps):
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
 def test_warmup_lr(warmup_type):
     opt = _opt()
-    sched = build_schedule("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.05, "warmup_num_steps": 5,
+    sched = build_lr_scheduler("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.05, "warmup_num_steps": 5,
                                         "warmup_type": warmup_type}, opt)
     got = _trace(sched, opt, 9)
     gamma = (lambda t: math.log(t + 1) / math.log(5)) if warmup_type == "log" else (lambda t: t / 5)
@@ -37,7 +37,7 @@ def test_warmup_lr(warmup_type):
 
 def test_warmup_decay_lr_reaches_zero():
     opt = _opt()
-    sched = build_schedule("WarmupDecayLR", {"total_num_steps": 10, "warmup_max_lr": 1.0, "warmup_num_steps": 4,
+    sched = build_lr_scheduler("WarmupDecayLR", {"total_num_steps": 10, "warmup_max_lr": 1.0, "warmup_num_steps": 4,
                                              "warmup_type": "linear"}, opt)
     got = _trace(sched, opt, 13)
     want = [0.0] + [t / 4 if t < 4 else max(0.0, (10 - t) / 6) for t in range(12)]
@@ -47,7 +47,7 @@ def test_warmup_decay_lr_reaches_zero():
 
 def test_warmup_cosine_lr_scales_the_optimizer_lr():
     opt = _opt(lr=0.2)
-    sched = build_schedule("WarmupCosineLR", {"total_num_steps": 12, "warmup_num_steps": 4, "warmup_min_ratio": 0.1,
+    sched = build_lr_scheduler("WarmupCosineLR", {"total_num_steps": 12, "warmup_num_steps": 4, "warmup_min_ratio": 0.1,
                                               "cos_min_ratio": 0.01, "warmup_type": "linear"}, opt)
     got = _trace(sched, opt, 14)
 
@@ -60,7 +60,7 @@ def test_warmup_cosine_lr_scales_the_optimizer_lr():
 
 def test_one_cycle_lr_and_momentum():
     opt = _opt()
-    sched = build_schedule("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 4,
+    sched = build_lr_scheduler("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 4,
                                         "cycle_second_step_size": 2, "decay_step_size": 2, "decay_lr_rate": 0.5,
                                         "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}, opt)
     assert opt.param_groups[0]["betas"] == (0.85, 0.99)
@@ -80,7 +80,7 @@ def test_one_cycle_lr_and_momentum():
 def test_lr_range_test_staircase_and_continuous():
     for staircase in (False, True):
         opt = _opt()
-        sched = build_schedule("LRRangeTest", {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 3,
+        sched = build_lr_scheduler("LRRangeTest", {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 3,
                                                "lr_range_test_step_rate": 2.0,
                                                "lr_range_test_staircase": staircase}, opt)
         got = _trace(sched, opt, 7)
@@ -91,9 +91,9 @@ def test_lr_range_test_staircase_and_continuous():
 def test_state_round_trip_resumes_exactly():
     opt_a, opt_b = _opt(), _opt()
     params = {"total_num_steps": 20, "warmup_num_steps": 5}
-    a = build_schedule("WarmupDecayLR", params, opt_a)
+    a = build_lr_scheduler("WarmupDecayLR", params, opt_a)
     _trace(a, opt_a, 7)
-    b = build_schedule("WarmupDecayLR", params, opt_b)
+    b = build_lr_scheduler("WarmupDecayLR", params, opt_b)
     b.load_state_dict(a.state_dict())
     opt_b.param_groups[0]["lr"] = opt_a.param_groups[0]["lr"]  # restored with the optimizer, as in DeepSpeed
     assert _trace(a, opt_a, 10) == _trace(b, opt_b, 10)
@@ -101,11 +101,11 @@ def test_state_round_trip_resumes_exactly():
 
 def test_auto_params_resolve_as_hf_or_are_refused():
     opt = _opt(lr=0.3)
-    sched = build_schedule("WarmupLR", {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 2,
+    sched = build_lr_scheduler("WarmupLR", {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 2,
                                         "warmup_type": "linear"}, opt)
     assert _trace(sched, opt, 4) == pytest.approx([0.0, 0.0, 0.15, 0.3])
     with pytest.raises(LRScheduleError, match="warmup_num_steps is 'auto'.*write the number of optimizer steps"):
-        build_schedule("WarmupLR", {"warmup_num_steps": "auto"}, _opt())
+        build_lr_scheduler("WarmupLR", {"warmup_num_steps": "auto"}, _opt())
 
 
 @pytest.mark.parametrize("type_, params, fragment", [
@@ -116,4 +116,4 @@ def test_auto_params_resolve_as_hf_or_are_refused():
 ])
 def test_bad_sections_name_the_problem(type_, params, fragment):
     with pytest.raises(LRScheduleError, match=fragment):
-        build_schedule(type_, params, _opt())
+        build_lr_scheduler(type_, params, _opt())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zerodp.examples.gpt import GPT, MODEL_PRESETS, lm_loss
+from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
 from zerodp.memory import (
     ModelStateBytes,
     estimate_activation_bytes,

@@ -147,3 +147,22 @@ def test_zero_shards_are_never_read_and_their_zeros_reach_the_file(tmp_path):
         assert torch.equal(a, torch.zeros(1000))  # not the file's 2.0: zero() made the file stale
     assert store.io.read_bytes == reads
     store.close()
+
+
+def test_a_store_without_read_ahead_records_no_order(tmp_path):
+    """The gradient store (read_ahead=False) is never planned by end_step(): acquiring must not grow a
+    trace for the whole run (it grew by every acquire, step after step), and nothing is read ahead."""
+    store = ShardStore(RankDir(str(tmp_path), "unit", 0), FileIO(2, 4096), 1000, 2, read_ahead=False)
+    tensors = shards(3)
+    for t in tensors:
+        store.adopt(t)
+    for _ in range(5):
+        for t in tensors:
+            with store.resident([t]):
+                pass
+    assert store.trace == [] and store.read_ahead is False
+    store.end_step()
+    store.acquire(tensors[0])
+    assert [state(store, t) for t in tensors[1:]] == [ShardHome.OFFLOADED] * 2  # nothing read ahead
+    store.release(tensors[0])
+    store.close()

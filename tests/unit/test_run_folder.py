@@ -9,7 +9,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from zerodp.examples import run_folder
+from zerodp.app import run_folder
 from zerodp.cli.launch_report import failure_line
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import zerodp
 from zerodp.config import ConfigError
-from zerodp.examples.gpt import GPT, GPTConfig, lm_loss
+from zerodp.models.gpt import GPT, GPTConfig, lm_loss
 from zerodp.stage3.prefetch import ExecutionOrder, Pass
 from zerodp.stage3.flat_unit import ShardState
 from zerodp.stage3.wrap import choose_unit_modules, plan_units

@@ -25,9 +25,10 @@ verifies every rank file it will read against its checksum. Nothing in the engin
 every rank has planned its part without error (agreed by an all-gather), so a bad checkpoint
 leaves the engine as it was; files are only ever read. Then each unit in turn reads its slices and
 sets its master, optimizer state (written straight to the offload store where there is one) and
-shard (`units.load_unit`), so the load holds one unit's values beyond the training state; then
-hyper-parameters, loss scaler, counters and RNG states are set, and the strategy re-assembles the
-parameters (`after_step`). A read that fails during the unit pass (a disk error after the checksum
+shard (`units.load_unit`), so the load holds one unit's values beyond the training state; then the
+optimizer groups' hyper-parameters and the module's buffers are set. The rest is returned as `Resumed`
+and applied by the engine (`ZeroEngine.load_checkpoint`: loss scaler, schedule, counters, RNG states,
+re-assembling the parameters): a checkpoint reads and writes values, it never drives the engine. A read that fails during the unit pass (a disk error after the checksum
 passed) is reported on every rank, saying the engine now holds a mix of states.
 
 Errors: every problem is a `CheckpointError` (a ValueError), raised on every rank, naming the file
@@ -223,7 +224,7 @@ def read_checkpoint(engine: CheckpointEngine, load_dir, tag: Optional[str] = Non
     error = None
     try:
         _load_units(engine, plan)
-    except Exception as err:  # agreed on below, so no rank waits in after_step for a failed one
+    except Exception as err:  # agreed on below, so no rank goes on to re-assemble after a failed one
         error = err
     _agree(engine, error, "failed while reading the checkpoint's values",
            note="; the engine now holds a mix of its old and the loaded states: load a checkpoint again before "

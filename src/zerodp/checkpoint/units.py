@@ -94,7 +94,7 @@ def stream_save(engine: CheckpointEngine, saves: list[UnitSave]) -> Iterator[tup
     """The values of `plan_save`'s entries in order, one unit resident at a time."""
     optimizer = engine.optimizer
     for save in saves:
-        with engine.shards_resident([save.unit]):
+        with save.unit.resident():  # offload_param: one unit's shard in memory at a time
             if save.master is None:
                 sources = {fmt.FROZEN: save.unit.param_shard}
             else:
@@ -190,7 +190,7 @@ def files_needed(loads: list[UnitLoad]) -> set[str]:
 def load_unit(engine: CheckpointEngine, load: UnitLoad, files: fmt.CheckpointFiles) -> None:
     """Read one unit's slices and set its shard (and master and optimizer state); see the module note."""
     unit, master = load.unit, load.master
-    with engine.shards_resident([unit], dirty=True):
+    with unit.resident(dirty=True):
         if master is None:
             unit.param_shard.copy_(_read_values(load, files, unit.param_shard, fmt.FROZEN))
             return

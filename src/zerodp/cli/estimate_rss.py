@@ -111,7 +111,7 @@ def _config(ns: argparse.Namespace):
 
 
 def _gpt_config(ns: argparse.Namespace):
-    from ..examples.gpt import MODEL_PRESETS
+    from ..models.gpt import MODEL_PRESETS
 
     cfg = MODEL_PRESETS[ns.model]
     if not ns.gpt:
@@ -134,7 +134,7 @@ def shapes(ns: argparse.Namespace):
     """(ModelShape, RunShape, config, a line describing the model) from the options."""
     import torch
 
-    from ..examples.train_args import DEFAULT_MICRO_BATCH
+    from ..app.train_args import DEFAULT_MICRO_BATCH
     from ..memory import estimate_activation_bytes
     from ..memory.model_shape import module_shape, run_shape_of, uniform_shape
     from ..scaling.workload import parse_count
@@ -150,7 +150,7 @@ def shapes(ns: argparse.Namespace):
         raise UsageError(f"{ns.config or 'the options'}: {err}") from None
     run = run_shape_of(config, world, ns.optimizer, has_gpu=torch.cuda.is_available())
     if ns.model is not None:
-        from ..examples.gpt import GPT
+        from ..models.gpt import GPT
 
         gpt = _gpt_config(ns)
         seq_len = ns.seq_len or gpt.block_size

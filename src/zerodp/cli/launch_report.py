@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
-from ..examples.run_folder import LAUNCHER_LOG
+from ..app.run_folder import LAUNCHER_LOG
 
 # Exceptions whose message is a user mistake with its fix (exit code 2, as before launch).
 USER_ERRORS = ("CheckpointError", "ConfigError", "UsageError", "RunFolderError", "OptimizerError",

@@ -6,7 +6,7 @@
 
 This module owns the options, their help text and the error contract: a user mistake (a bad
 option or config, a missing folder) is one line on stderr and exit code 2, never a traceback. The
-job itself lives in `examples/train.py`, the memory formulas in `memory/`, consolidation in `checkpoint/`.
+job itself lives in `app/train.py`, the memory formulas in `memory/`, consolidation in `checkpoint/`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError, UsageError
-from ..examples.gpt import MODEL_PRESETS
-from ..examples.train_args import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS
+from ..models.gpt import MODEL_PRESETS
+from ..app.train_args import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS
 from ..memory import OPTIMIZER_STATES, WHOLE_TENSOR_OPTIMIZERS
 from ..scaling.workload import parse_count
 
@@ -75,7 +75,7 @@ def _add_train(sub) -> None:
     p = sub.add_parser(
         "train", help="train the bundled GPT with ZeRO on local ranks",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_wrap("Train the bundled GPT (zerodp.examples.gpt) on the Python standard library's source "
+        description=_wrap("Train the bundled GPT (zerodp.models.gpt) on the Python standard library's source "
                     "(byte tokens, nothing to download) across N local ranks started with torchrun's launcher "
                     "API. Shows a progress bar, logs every K steps, writes metrics.jsonl/metrics.csv, and at the "
                     "end prints per-rank memory (measured and predicted), the validation loss and a text sample, "
@@ -191,8 +191,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from ..examples.train import launch
-    from ..examples.train_args import resolve_train_args, under_torchrun
+    from ..app.train import launch
+    from ..app.train_args import resolve_train_args, under_torchrun
     from .launch_report import failure_line, launcher_log
 
     args = resolve_train_args({k: getattr(ns, k) for k in TRAIN_OPTIONS})
@@ -207,7 +207,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             print(f"zerodp: error: {line}", file=sys.stderr)
             return code
         except (KeyboardInterrupt, SignalException):
-            from ..examples.run_folder import restart_checkpoint
+            from ..app.run_folder import restart_checkpoint
 
             saved = restart_checkpoint(Path(args.out)) is not None
             print("zerodp: interrupted; " + (f"continue from the newest checkpoint with --resume {args.out}" if saved
@@ -272,7 +272,7 @@ def _render_whole_tensor_imbalance(model: str, numel: int, world_size: int, opti
     """One line: how far whole-tensor ownership puts the fullest rank above Psi/N for this model."""
     import torch
 
-    from ..examples.gpt import GPT
+    from ..models.gpt import GPT
     from ..memory import whole_tensor_shard_numel
 
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost

@@ -48,6 +48,50 @@ def dtype_name(value: Any, key: str, names: dict) -> Any:
     return canonical
 
 
+class TorchAutocastConfig(StrictModel):
+    """DeepSpeed's `torch_autocast` section (DeepSpeed >= 0.17): torch.autocast mixed precision. The parameters,
+    master weights and optimizer states stay fp32; the engine's forward runs under `torch.autocast(dtype)`, and
+    the gradients of the lower-precision-safe modules' parameters are summed over ranks in `dtype` (the others
+    in fp32). zerodp.autocast holds the mechanism and the differences from DeepSpeed."""
+
+    enabled: bool = Field(False, description="Run the engine's forward under torch.autocast (no torch.autocast "
+                          "call needed in the training script).")
+    dtype: GradDtype = Field("bf16", description="The autocast dtype, also the dtype the lower-precision-safe "
+                             "modules' gradients are summed over ranks in. DeepSpeed's spellings ('bfloat16', "
+                             "'torch.bfloat16', ...). zerodp runs bf16 only: fp16 autocast needs torch's "
+                             "GradScaler, which zerodp does not drive.")
+    lower_precision_safe_modules: Optional[list[str]] = Field(None, description="Dotted class names (e.g. "
+        "'torch.nn.Linear') whose own parameters' gradients are reduced in `dtype`; exact classes, not subclasses, "
+        "as DeepSpeed. Unset: torch.nn.Linear, Conv1d, Conv2d, Conv3d.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("dtype") is not None:
+            data = {**data, "dtype": dtype_name(data["dtype"], "torch_autocast.dtype", DTYPE_NAMES)}
+        return data
+
+    @model_validator(mode="after")
+    def _bf16_only(self) -> "TorchAutocastConfig":
+        if self.enabled and self.dtype != "bf16":
+            fix = ("fp16 autocast needs torch.amp.GradScaler's loss scaling, which zerodp does not drive; use dtype "
+                   "'bfloat16', or the fp16 section (fp16 parameters with zerodp's loss scaler)") \
+                if self.dtype == "fp16" else "autocast to fp32 computes nothing in lower precision; use 'bfloat16'"
+            raise ValueError(f"torch_autocast.dtype={self.dtype!r}: {fix}")
+        return self
+
+    def check_compatible(self, compute: str, zero: Any) -> None:
+        """Refuse what cannot run with autocast: a 16-bit model, the quantized collectives."""
+        if self.enabled and compute != "fp32":
+            raise ValueError(f"torch_autocast.enabled with {compute}.enabled: the {compute} section casts the "
+                             f"parameters to {compute}, torch_autocast keeps them fp32 and autocasts the forward; "
+                             f"enable one of the two")
+        if self.enabled and (zero.zero_quantized_weights or zero.zero_quantized_gradients):
+            raise ValueError("torch_autocast with zero_quantized_weights/zero_quantized_gradients: the quantized "
+                             "collectives send int8/int4, not the autocast dtype (DeepSpeed refuses the weights "
+                             "too); remove one of them")
+
+
 class DataTypesConfig(StrictModel):
     """DeepSpeed's `data_types` section."""
 

@@ -3,7 +3,7 @@
 An existing DeepSpeed config works unchanged where its keys mean the same thing here. Every model
 forbids unknown keys, and the error names the key and the closest valid one; every accepted key is
 honoured by the engine (a key zerodp cannot honour yet is refused with a message saying so, never
-silently dropped). VISSL's YAML dialect is translated by `zerodp.config.vissl` before validation.
+silently dropped). VISSL's YAML dialect is translated by `zerodp.vissl` before validation.
 
 Each field's description doubles as the reference documentation (`zerodp.config.reference_markdown`).
 """
@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from .compat import normalize
-from .precision import DTYPE_NAMES, BF16Config, DataTypesConfig, FP16Config, GradDtype, dtype_name  # noqa: F401
+from .precision import DTYPE_NAMES, BF16Config, DataTypesConfig, FP16Config, GradDtype, TorchAutocastConfig, dtype_name  # noqa: F401
 from .strict import _NOT_SUPPORTED, StrictModel  # noqa: F401 (_NOT_SUPPORTED: the docs render it)
 
 from .offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
@@ -27,7 +27,7 @@ from .offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, chec
 from ..errors import ConfigError
 from .monitor import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig,
                               WandbConfig)  # DeepSpeed's monitoring sections
-from .vissl import is_vissl, translate_vissl
+from ..vissl import is_vissl, translate_vissl
 
 
 class NonFinitePolicy(str, Enum):
@@ -180,6 +180,8 @@ class ZeroConfig(StrictModel):
         "ranks in: 'fp32' in a bf16 run casts each bucket (stage 3: unit) to fp32 before the reduction and the "
         "rank average back to the accumulation dtype after it. Unset: the compute dtype (DeepSpeed's default). "
         "Every stage. Not with zero_quantized_gradients (its payload is int4).")
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig, description="torch.autocast "
+                                                "mixed precision with fp32 parameters (zerodp.autocast).")
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Gradient accumulation dtype.")
     prescale_gradients: bool = Field(False, description="Divide each rank's gradients by the world size before "
                                      "the reduction instead of the sum after it (DeepSpeed's meaning; "
@@ -250,6 +252,7 @@ class ZeroConfig(StrictModel):
             raise ValueError(f"communication_data_type={self.communication_data_type!r} with "
                              f"zero_quantized_gradients: the quantized reduction sends int4, so no reduction dtype "
                              f"applies; remove one of them")
+        self.torch_autocast.check_compatible(compute, self.zero_optimization)
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             warnings.warn(f"gradient_predivide_factor={self.gradient_predivide_factor} has no effect with "
                           f"prescale_gradients=true: gradients are divided by the world size before the reduction "

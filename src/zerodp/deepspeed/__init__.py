@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -70,7 +71,7 @@ from torch import nn
 
 from .. import comm as _comm
 from ..config import ConfigError, load_config
-from ..engine import ZeroEngine
+from ..engine import initialize as zerodp_initialize
 from ..optim.inner import build_from_section, build_from_sections
 from . import accelerator, comm, moe, ops, runtime, utils, zero
 from .accelerator import get_accelerator
@@ -119,7 +120,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                      distributed_port: int = 29500, verbose: bool = True, timeout=None, init_method=None,
                      dist_init_required=None, config=None, rank: int = -1, world_size: int = -1) -> None:
     """Initialize torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU) if not done yet."""
-    if dist_backend is not None and not torch.distributed.is_initialized() and "RANK" in __import__("os").environ:
+    if dist_backend is not None and not torch.distributed.is_initialized() and "RANK" in os.environ:
         torch.distributed.init_process_group(backend=_usable_backend(dist_backend))
         return
     _comm.init_distributed()
@@ -169,13 +170,21 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
                training_data=None, lr_scheduler: Any = None, config=None, config_params=None,
                dist_init_required: Optional[bool] = None, collate_fn: Optional[Callable] = None,
                mpu=None, distributed_port=None, dist_init_timeout=None, **unsupported):
-    """DeepSpeed's `initialize`: returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+    """DeepSpeed's `initialize`: returns (engine, optimizer, training_dataloader, lr_scheduler).
+
+    A translation of DeepSpeed's arguments (config from args, the config's optimizer over model_parameters,
+    which inputs to cast); the engine itself is built by the one `zerodp.initialize`."""
     if unsupported:
         raise TypeError(f"zerodp.deepspeed.initialize does not take {sorted(unsupported)}")
     if model is None:
         raise ValueError("initialize needs model=<torch.nn.Module>")
     if mpu is not None:
         raise ConfigError("mpu (model parallelism) is not supported by zerodp; zerodp is data parallel only")
+    if dist_init_required is False and not torch.distributed.is_initialized() and "RANK" in os.environ:
+        # DeepSpeed refuses this too; zerodp.initialize would create the group the caller said not to create
+        raise ConfigError("initialize(dist_init_required=False) under torchrun, but torch.distributed is not "
+                          "initialized: call torch.distributed.init_process_group first, or leave dist_init_required "
+                          "unset")
     if dist_init_required is not False:
         init_distributed()
     source = _config_source(args, config, config_params)
@@ -195,7 +204,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         cfg = cfg.model_copy(update={"optimizer": None})
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")
-    engine = DeepSpeedEngine(ZeroEngine(model, optimizer, cfg, cast_inputs=_casts_inputs(source)),
+    engine = DeepSpeedEngine(zerodp_initialize(model, optimizer, cfg, cast_inputs=_casts_inputs(source)),
                              lr_scheduler=lr_scheduler)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -25,6 +25,9 @@ Where the accumulation happens is the stage's policy (`flat.grad_shard.GradShard
 micro-steps into the persistent full buffer and reduce it at the boundary; stages 2-3 reduce every
 micro-step and add the reduced slice into the persistent shard. Either way the persistent tensor is in
 grad_accum_dtype. A dtype of None means "the parameters' dtype" (DeepSpeed's default for both).
+
+`torch_autocast` (zerodp/autocast.py) gives some parameters their own communication dtype: the
+parameters in `low_precision_ids` are summed in `low_precision_dtype`, whatever `comm_dtype` says.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class GradArithmetic:
     comm_dtype: Optional[torch.dtype] = None    # what the collective sums; None: the parameters' dtype
     predivide: float = 1.0                      # DeepSpeed's gradient_predivide_factor
     prescale: bool = False                      # DeepSpeed's prescale_gradients
+    low_precision_ids: frozenset = frozenset()  # torch_autocast: id() of parameters summed in low_precision_dtype
+    low_precision_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -66,6 +71,12 @@ class GradArithmetic:
 
     def comm_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.comm_dtype or param_dtype
+
+    def comm_dtype_of(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype `param`'s gradient is summed over ranks in."""
+        if id(param) in self.low_precision_ids:
+            return self.low_precision_dtype
+        return self.comm_dtype_for(param.dtype)
 
     def to_send(self, grads: torch.Tensor, comm_dtype: torch.dtype) -> torch.Tensor:
         """`grads` as the collective sends them: in `comm_dtype` (a new tensor when it differs; else

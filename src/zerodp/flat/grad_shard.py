@@ -27,15 +27,17 @@ How the sum is computed (all-reduce, reduce-scatter, which communicator and stre
 
 [Note: reduced shard destination] `_deliver` is the one place where a reduced slice lands in this
 rank's gradient shard. With `home` (an offload.ShardStore: stage 3, fp32, offload_param nvme) the
-shard lives there between deliveries and the optimizer step, and `sq_norm` keeps its square norm
-from the last delivery, so the step need not read every shard twice ([Note: gradient shards
-offloaded] in offload/shard_store.py).
+shard lives there between deliveries and the optimizer step (`offloaded`): its storage exists only
+inside `resident()`, and `shard_square_norm()` answers from the square norm kept at the last
+delivery, so the step need not read every shard twice ([Note: gradient shards offloaded] in
+offload/shard_store.py). Without a home both are trivial; callers never ask which.
 """
 
 from __future__ import annotations
 
+import contextlib
 from enum import Enum, auto
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, ContextManager, NamedTuple, Optional
 
 import torch
 
@@ -43,6 +45,7 @@ from .. import comm
 from .buffer import FlatBuffer, alloc_storage, free_storage
 from .grad_arithmetic import GradArithmetic
 from .layout import FlatLayout
+from .split_reduce import SplitReduce
 
 # (output slice, full buffer, async_op) -> handle; sums `full` over ranks, this rank's slice in output
 ReduceFn = Callable[[torch.Tensor, torch.Tensor, bool], comm.Handle]
@@ -87,7 +90,15 @@ class GradShard:
         self.name = name              # for error messages
         self._reduce = reduce
         accum_dtype = arithmetic.accum_dtype_for(first.dtype)
-        self.comm_dtype = arithmetic.comm_dtype_for(first.dtype)
+        # torch_autocast: the safe modules' gradients are summed in their own dtype; a unit holding both kinds
+        # reduces in two collectives (flat/split_reduce.py), the buffer in the other parameters' dtype
+        low = [id(p) in arithmetic.low_precision_ids for p in params]
+        self.split = SplitReduce(layout, low, arithmetic.low_precision_dtype) if any(low) and not all(low) else None
+        self.comm_dtype = arithmetic.comm_dtype_of(next((p for p, is_low in zip(params, low) if not is_low), first))
+        if self.split is not None and keep_full:
+            raise AssertionError(f"gradient shard {name}: a persistent full buffer cannot mix reduction dtypes "
+                                 f"(buckets are split by reduction dtype)")
+        self._pending_low: Optional[PendingReduce] = None  # the split's low-dtype reduction in flight
         self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
         if keep_full:
             self.shard = self.full.shard(shard_index)
@@ -100,10 +111,29 @@ class GradShard:
         self.rounds_launched = 0                                      # reductions launched this micro-step
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
         self._pending: Optional[PendingReduce] = None
-        self.home = home if not keep_full else None  # where `shard` lives between uses, or None
-        self.sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
+        self.home = home if not keep_full else None  # where `shard` lives between uses, or None: in memory
+        self._sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
         if self.home is not None:
             self.home.adopt(self.shard, zeros=True)
+
+    # -- residency ([Note: reduced shard destination]) ---------------------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        """`shard` has storage only inside `resident()` (it lives in an offload store between uses)."""
+        return self.home is not None
+
+    def resident(self) -> ContextManager[None]:
+        """Hold `shard` in memory for a block (a no-op when it always is)."""
+        return contextlib.nullcontext() if self.home is None else self.home.resident([self.shard])
+
+    def shard_square_norm(self) -> torch.Tensor:
+        """The float64 square of `shard`'s 2-norm (`square_norm`), without reading an offloaded shard."""
+        if self.home is None:
+            return square_norm(self.shard)
+        if self._sq_norm is None:  # zeroed since the last step, nothing delivered since
+            return torch.zeros((), dtype=torch.float64, device=self.shard.device)
+        return self._sq_norm
 
     def _to(self, state: GradState) -> None:
         if state not in _ALLOWED[self.state]:
@@ -158,6 +188,10 @@ class GradShard:
         if self.state is GradState.REDUCED:
             self._open_round()  # another rank needs a further round; ours adds nothing new
         self._ensure_full()  # a rank without gradients takes part with zeros
+        if self.split is not None:  # the low-dtype part first: split() zeroes it in the full buffer
+            low = FlatBuffer(self.layout, self.split.low_dtype, self.full.tensor.device,
+                             self.arithmetic.to_send(self.split.split(self.full.tensor), self.split.low_dtype))
+            self._pending_low = PendingReduce(self._reduce(low.shard(self.shard_index), low.tensor, async_op), low)
         send = self.arithmetic.to_send(self.full.tensor, self.comm_dtype)
         sent = self.full if send is self.full.tensor else FlatBuffer(self.layout, send.dtype, send.device, send)
         self._pending = PendingReduce(self._reduce(sent.shard(self.shard_index), sent.tensor, async_op), sent)
@@ -173,6 +207,11 @@ class GradShard:
         # Sum across ranks, then divide (by default): exact for two ranks in fp32, and what a single
         # process computes on the global batch up to summation order.
         reduced = self.arithmetic.finish(pending.sent.shard(self.shard_index))
+        if self.split is not None:
+            low, self._pending_low = self._pending_low, None
+            low.handle.wait()
+            reduced = self.split.merge(reduced, self.arithmetic.finish(low.sent.shard(self.shard_index)),
+                                       self.layout.shard_range(self.shard_index))
         if self.keep_full and pending.sent is not self.full:
             reduced = self.shard.copy_(reduced)  # reduced in the communication dtype; the copy is dropped
         elif not self.keep_full:
@@ -185,7 +224,7 @@ class GradShard:
         if self.home is not None:
             with self.home.resident([self.shard], dirty=True):
                 self.shard.add_(reduced)
-                self.sq_norm = square_norm(self.shard)
+                self._sq_norm = square_norm(self.shard)
             free_storage(self.full.tensor)
         elif not self.keep_full:
             self.shard.add_(reduced)
@@ -211,7 +250,7 @@ class GradShard:
             self.full.tensor.zero_()
         elif self.home is not None:
             self.home.zero(self.shard)
-            self.sq_norm = None
+            self._sq_norm = None
             free_storage(self.full.tensor)
         else:
             self.shard.zero_()

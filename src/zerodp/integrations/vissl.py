@@ -1,6 +1,6 @@
 """A zerodp engine from a VISSL config file: VISSL's optimizer and param groups, and its lr schedule.
 
-    setup = zerodp.config_vissl.load_vissl("swav_8node_resnet.yaml")   # or a list: base, then overlays
+    setup = zerodp.vissl.load_vissl("swav_8node_resnet.yaml")   # or a list: base, then overlays
     engine, schedule = zerodp.integrations.vissl.initialize(setup, model, steps_per_epoch=len(loader))
     ... engine.backward(loss); engine.step(); schedule.step()          # per optimizer step
 """
@@ -9,15 +9,22 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config.vissl import load_vissl
-from ..config.vissl_setup import VisslSetup
-from ..engine import initialize as initialize_engine
-from ..optim.vissl_params import vissl_optimizer
+from .. import ZeroEngine
+from .. import initialize as zerodp_initialize
+from ..optim.vissl_optimizer import VisslLRScheduler, vissl_lr_scheduler, vissl_optimizer
+from ..vissl import VisslSetup, load_vissl
 
 __all__ = ["initialize", "load_vissl"]
 
 
-def initialize(setup: VisslSetup, model: nn.Module, steps_per_epoch: int, process_group=None):
-    """`zerodp.initialize` with a VISSL setup; returns (engine, lr schedule to step after each engine step)."""
-    engine = initialize_engine(model, vissl_optimizer(setup, model), setup.zero_config, process_group)
-    return engine, setup.lr_schedule(engine.optimizer, steps_per_epoch)
+def initialize(setup: VisslSetup, model: nn.Module, steps_per_epoch: int,
+               process_group=None) -> tuple[ZeroEngine, VisslLRScheduler]:
+    """`zerodp.initialize` with a VISSL setup; returns (engine, lr schedule to step after each engine step).
+
+    Why a dialect entry exists beside `zerodp.initialize`, which also takes a VISSL file: a VISSL lr
+    schedule is a function of the fraction of training done, so it needs the steps per epoch, which no
+    config file holds, and it steps the param groups of the engine's optimizer, which exist only once
+    the engine does. This function only translates: the engine is built by the one `zerodp.initialize`.
+    """
+    engine = zerodp_initialize(model, vissl_optimizer(setup, model), setup.zero_config, process_group)
+    return engine, vissl_lr_scheduler(setup, engine.optimizer, steps_per_epoch)

@@ -202,7 +202,7 @@ def render_paper_table(params: Sequence[float], world_sizes: Sequence[int]) -> s
 
 
 # ---------------------------------------------------------------------------------------------
-# The bundled GPT (zerodp.examples.gpt): parameter count and activation memory.
+# The bundled GPT (zerodp.models.gpt): parameter count and activation memory.
 
 
 class GPTShape(Protocol):

@@ -60,15 +60,13 @@ def measure_memory(engine) -> MemoryReport:
     units = engine.units
     numel = sum(u.layout.numel for u in units)
     padding = sum(u.layout.padded_numel - u.layout.numel for u in units)
-    home = getattr(engine, "param_home", None)  # offload_param: shards not in memory now do not count
-    away = (lambda u: home.offloaded_bytes(u.param_shard)) if home is not None else (lambda u: 0)
-    params = sum(u.param_bytes() - away(u) for u in units)
+    params = sum(u.param_bytes() for u in units)  # held now: offloaded shards (offload_param) do not count
     grads = sum(u.grad_bytes() for u in units)
     optimizer = engine.optimizer.state_bytes()
     # Frozen parameters: stage 3 shards them into frozen units; other stages keep them whole.
     frozen_units = engine.sharding.frozen_units
     in_units = {id(p) for u in list(units) + list(frozen_units) for p in u.params}
-    frozen = sum(u.param_bytes() - away(u) for u in frozen_units) + sum(
+    frozen = sum(u.param_bytes() for u in frozen_units) + sum(
         p.numel() * p.element_size() for p in engine.module.parameters() if id(p) not in in_units)
     precision = engine.precision
     elem = precision.param_dtype.itemsize
@@ -109,15 +107,16 @@ def measure_memory(engine) -> MemoryReport:
             optimizer_predicted, disk_predicted = offload_report_bytes(engine, numel, master, k - master)
         predicted = ModelStateBytes(predicted.params, predicted.grads, optimizer_predicted)
         disk = engine.optimizer.offload.disk_bytes()
-    if home is not None:  # offload_param: at most max_in_cpu elements of this rank's shard stay in memory
+    shards = engine.sharding.param_offload()
+    if shards is not None:  # offload_param: at most max_in_cpu elements of this rank's shard stay in memory
         from ..offload.estimate import param_offload_report_bytes
 
-        params_predicted, param_disk_predicted = param_offload_report_bytes(engine, numel, elem, home.limit_numel)
+        params_predicted, param_disk_predicted = param_offload_report_bytes(engine, numel, elem, shards.limit_numel)
         predicted = ModelStateBytes(params_predicted, predicted.grads, predicted.optimizer)
-        disk += home.disk_bytes()
+        disk += shards.disk_bytes
         disk_predicted += param_disk_predicted
-        if getattr(engine, "grad_home", None) is not None:  # fp32 nvme: the gradient shards too, bounded the same way
-            disk += engine.grad_home.disk_bytes()
+        if shards.grad_disk_bytes is not None:  # fp32 nvme: the gradient shards too, bounded the same way
+            disk += shards.grad_disk_bytes
             disk_predicted += param_disk_predicted
             predicted = ModelStateBytes(predicted.params, params_predicted, predicted.optimizer)
     return MemoryReport(engine.rank, engine.world_size, engine.stage, numel, padding,

@@ -16,12 +16,14 @@ Shard states (asserted):
     OFFLOADED --read--> READING --wait--> RESIDENT --evict, dirty: write--> WRITING --done--> OFFLOADED
                                           RESIDENT --evict, clean--> OFFLOADED
 
-Who calls what (every call site is one line in its own module):
+Only the stage-3 flat unit and its strategy call a store (stage3/flat_unit.py, stage3/strategy.py);
+everyone else asks the unit (`seams.ShardedUnit.resident`) or the strategy (`all_resident`, `end_step`):
     FlatUnit.unshard / wait_for_unshard   acquire / release around the all-gather that reads the shard
     FlatUnit.write_back                   acquire / release(dirty=True)
-    ShardedOptimizer                      resident(shards, dirty=True) around each part of the step
-    checkpoints (checkpoint/units.py)     resident([one unit's shard], dirty=...) via engine.shards_resident
-    engine.full_state_dict                all_resident()
+    FlatUnit.resident(dirty)              resident([its shard], dirty): the optimizer around each part
+                                          of the step, checkpoints (one unit at a time), the getters
+    Stage3Sharding.all_resident           all_resident(): engine.full_state_dict reads every shard
+    Stage3Sharding.end_step               end_step(): after every optimizer step (read-ahead below)
 
 [Note: parameter read-ahead] The order in which shards are acquired is the stage-3 schedule's order
 of gathers, prefetches included (stage3/schedule.py, stage3/prefetch.py), followed by the optimizer
@@ -34,10 +36,12 @@ only wastes a read. Reads are local (no collective), so ranks need not agree on 
 gradient shard is as large as its parameter shard (4 bytes x Ψ/N: 6.1 GB per rank for 3e9 parameters
 on 2 ranks), and would be the largest thing left in memory. A second store (`kind="grad"`) holds them:
     GradShard._deliver        acquire / add the reduced slice / release(dirty=True)
-    ShardedOptimizer          resident(grad shards) beside the parameter shards, per part of the step
+    GradShard.resident        resident([its shard]) (FlatUnit.grad_resident: the optimizer beside the
+                              parameter shards per part of the step, nonfinite's diagnosis, the getters)
     GradShard.zero_grad       `zero(shard)`: the values become zeros without any I/O
 A zero shard (`Entry.zero`) is never read or read ahead: acquiring it allocates zeros, which are
-dirty (written before dropped). The step learns norms from GradShard.sq_norm, not by reading shards.
+dirty (written before dropped). The step learns norms from GradShard.square_norm() (kept from the
+last delivery), not by reading shards.
 """
 
 from __future__ import annotations
@@ -59,8 +63,11 @@ from .store import FileStore, HostStore
 class ShardStore:
     """Where this rank's stage-3 parameter (or gradient) shards live; see the module docstring."""
 
+    offloads = True  # offload/null_store.py's NullShardStore: False (shards that stay in memory)
+
     def __init__(self, rank_dir: Optional[RankDir], io: Optional[FileIO], max_in_cpu: Optional[int], buffer_count: int,
-                 pin_memory: bool = False, kind: str = "param", owns_files: bool = True) -> None:
+                 pin_memory: bool = False, kind: str = "param", owns_files: bool = True,
+                 read_ahead: bool = True) -> None:
         self.rank_dir = rank_dir       # None: backed by host memory (device cpu with a GPU)
         self.io = io
         self.kind = kind               # "param" or "grad": names the files
@@ -73,6 +80,9 @@ class ShardStore:
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident, oldest first
         self.resident_numel = 0        # elements with storage attached (READING, RESIDENT, WRITING)
         self.peak_resident_numel = 0
+        # read_ahead=False: no order is recorded (and nothing is read ahead); a store whose end_step()
+        # nobody calls must not record one, or `trace` grows by every acquire for the whole run
+        self.read_ahead = read_ahead
         self.trace: list[int] = []     # acquisition order of this step ([Note: parameter read-ahead])
         self._last: list[int] = []
         self._cursor = 0
@@ -146,7 +156,8 @@ class ShardStore:
         entry = self.entries.get(id(shard))
         if entry is None:
             return  # a shard this store does not hold (a persistent unit's view)
-        self.trace.append(id(shard))
+        if self.read_ahead:
+            self.trace.append(id(shard))
         upcoming = self._predict(id(shard))
         self._reap()
         if entry.state is ShardHome.OFFLOADED:

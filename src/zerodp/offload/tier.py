@@ -142,12 +142,15 @@ def _grads_stay(config: ZeroConfig) -> bool:
 
 def build_grad_offload(config: ZeroConfig, param_home):
     """The store of stage 3's gradient shards ([Note: gradient shards offloaded] in shard_store.py): with
-    offload_param nvme in fp32 training, in the parameter store's folder and I/O pool; otherwise None."""
-    if param_home is None or param_home.rank_dir is None or _grads_stay(config):
+    offload_param nvme in fp32 training, in the parameter store's folder and I/O pool; otherwise None.
+    `param_home`: the parameter shards' store (a `ShardStore`, or a `NullShardStore` when they stay)."""
+    if param_home.rank_dir is None or _grads_stay(config):  # a null or host-memory parameter store: in memory
         return None
     section = config.zero_optimization.offload_param
+    # no read-ahead: a gradient shard is first acquired zero (nothing to read) as its reduction lands,
+    # and the step reads each once; the strategy plans only the parameter store's reads (end_step)
     return ShardStore(param_home.rank_dir, param_home.io, section.max_in_cpu, section.buffer_count,
-                      kind="grad", owns_files=False)
+                      kind="grad", owns_files=False, read_ahead=False)
 
 
 def _ranks_on_this_disk(process_group: comm.ProcessGroup) -> int:

@@ -5,7 +5,7 @@ chunk of the unit's fp32 master (elementwise optimizers) or per owned parameter 
 possibly streamed from an offload tier. These methods translate between that and the checkpoint's
 form: one tensor shaped like the master per state key, plus scalars. Mixed into ShardedOptimizer, whose
 members they use (`chunks`, `whole`, `masters`, `units`, `optimizer`, `offload`, `_resident`,
-`_chunk_ranges`, `_params_resident`); kept apart so that the step's module reads in one sitting.
+`_chunk_ranges`); kept apart so that the step's module reads in one sitting.
 """
 
 from __future__ import annotations
@@ -102,5 +102,5 @@ class CheckpointStateAccess:
         """Unit `index`'s parameter shard was written outside a step: make the master follow it."""
         unit, master = self.units[index], self.masters[index]
         if master is not unit.param_shard:
-            with self._params_resident([index]):
+            with unit.resident():  # offload_param: the shard is read; it is not written
                 master.copy_(unit.param_shard)

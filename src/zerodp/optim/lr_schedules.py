@@ -260,7 +260,7 @@ class LRRangeTest(StepSchedule):
 SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 
-def build_schedule(section_type: str, params: dict[str, Any], optimizer) -> StepSchedule:
+def build_lr_scheduler(section_type: str, params: dict[str, Any], optimizer) -> StepSchedule:
     """The schedule named by a `scheduler` section, over `optimizer`'s param groups ("auto" resolved as HF does
     where the optimizer decides it, otherwise refused)."""
     cls = SCHEDULES.get(section_type)

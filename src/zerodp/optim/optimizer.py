@@ -31,6 +31,10 @@ One step, in order (every rank runs the same collectives):
      as torch skips parameters whose .grad is None.
   5. copy masters into the parameter shards (the engine then has the strategy re-assemble full
      parameters: `seams.ShardingStrategy.after_step`).
+
+Residency: with stage 3's offload_param a unit's shards have storage only inside `unit.resident()` /
+`unit.grad_resident()` ([Note: a unit owns its residency] in stage3/flat_unit.py), so every read or
+write of a shard below sits in one; elsewhere those blocks are empty and cost nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 from enum import Enum, auto
-from typing import Optional
+from typing import ContextManager, Iterable, Optional
 
 import torch
 
@@ -66,7 +70,7 @@ class ShardedOptimizer(CheckpointStateAccess):
 
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
-                 sharded: bool, gradient_clipping: float, offload=None, param_home=None, grad_home=None) -> None:
+                 sharded: bool, gradient_clipping: float, offload=None) -> None:
         self.units = units
         self.precision = precision
         self.scaler = scaler
@@ -75,16 +79,12 @@ class ShardedOptimizer(CheckpointStateAccess):
         self.gradient_clipping = gradient_clipping
         self.offload = offload  # offload.OffloadedOptimizerState: where elementwise state lives, or None
         self.chunk_numel = offload.chunk_numel(OPTIMIZER_CHUNK_NUMEL) if offload else OPTIMIZER_CHUNK_NUMEL
-        # offload_param (stage 3): an offload.ShardStore; a unit's param_shard has storage only while
-        # held resident there, so every read or write of a shard below sits in `_params_resident`
-        self.param_home = param_home
-        # fp32 offload_param nvme: an offload.ShardStore holding the units' gradient shards between uses
-        # ([Note: gradient shards offloaded] in offload/shard_store.py); they are bound per part of the step
-        self.grad_home = grad_home
+        # offload_param (stage 3): the step holds one part's parameter shards at a time (_step_resident)
+        self.params_offloaded = any(unit.param_offloaded for unit in units)
         self.masters: list[torch.Tensor] = []
         self.chunks: list[list[torch.Tensor]] = []
-        for index, unit in enumerate(units):
-            with self._params_resident([index], units):
+        for unit in units:
+            with unit.resident():
                 if precision.mixed:
                     self.masters.append(unit.param_shard.detach().to(precision.master_dtype).clone())
                 else:
@@ -138,12 +138,9 @@ class ShardedOptimizer(CheckpointStateAccess):
                 yield chunk, slice(a - start, b - start), slice(a, b)
             start = end
 
-    def _params_resident(self, indices, units=None, dirty: bool = False):
-        """offload_param: hold the parameter shards of units `indices` in memory for a block."""
-        if self.param_home is None:
-            return contextlib.nullcontext()
-        units = self.units if units is None else units
-        return self.param_home.resident([units[i].param_shard for i in indices], dirty=dirty)
+    def _params_resident(self, indices: list[int], dirty: bool = False) -> ContextManager[None]:
+        """Hold the parameter shards of units `indices` in memory for a block (offload_param)."""
+        return _holding([self.units[i].resident(dirty=dirty) for i in indices])
 
     def _resident(self, index: int, read: bool = True, write: bool = True):
         """Offload: hold master `index`'s optimizer state in memory for a block (`read`: its stored
@@ -167,11 +164,8 @@ class ShardedOptimizer(CheckpointStateAccess):
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
         for unit, g in zip(self.units, grads):
-            if self.grad_home is not None and self.grad_home.holds(g):  # offloaded: kept from its delivery
-                if unit.grads.sq_norm is not None:  # None: zero since the last step
-                    sq += unit.grads.sq_norm
-                continue
-            sq += square_norm(g)
+            # the unit's own shard: its norm (an offloaded shard's is kept from its delivery, not read)
+            sq += unit.grad_square_norm() if g is unit.grad_shard else square_norm(g)
         if self.sharded:
             comm.all_reduce(sq, self.process_group, tag="norm")
         return math.sqrt(float(sq))
@@ -205,13 +199,13 @@ class ShardedOptimizer(CheckpointStateAccess):
             coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
             if coef < 1.0:
                 self._clip = coef  # offloaded gradient shards are scaled as they are bound (_bind_grads)
-                for g in grads:
-                    if self.grad_home is None or not self.grad_home.holds(g):
+                for unit, g in zip(self.units, grads):
+                    if not unit.grad_offloaded:
                         g.mul_(coef)
-        for index, g in enumerate(grads):
-            if self.grad_home is None or not self.grad_home.holds(g):
+        for index, (unit, g) in enumerate(zip(self.units, grads)):
+            if not unit.grad_offloaded:  # offloaded ones are bound per part of the step (_step_resident)
                 self._bind_grads(index, g, received)
-        if self.offload is None and self.param_home is None:
+        if self.offload is None and not self.params_offloaded:
             self._step_chunks(received, None)
         elif self.offload is None:  # offload_param: one unit's shard in memory at a time
             for index, chunks in enumerate(self.chunks):
@@ -222,8 +216,8 @@ class ShardedOptimizer(CheckpointStateAccess):
             for chunk in chunks:
                 chunk.grad = None
         if self.precision.mixed:
-            for index, (unit, master) in enumerate(zip(self.units, self.masters)):
-                with self._params_resident([index], dirty=True):
+            for unit, master in zip(self.units, self.masters):
+                with unit.resident(dirty=True):
                     unit.param_shard.copy_(master)
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
@@ -233,7 +227,7 @@ class ShardedOptimizer(CheckpointStateAccess):
         """Give unit `index`'s chunks their gradients: views of `g`, this unit's gradient shard (or, for
         an offloaded shard, clipped copies: the stored shard stays as reduced)."""
         unit, chunks = self.units[index], self.chunks[index]
-        if self.grad_home is not None and self.grad_home.holds(g):
+        if unit.grad_offloaded:  # g is the shard itself, resident for this part of the step
             clip = self._clip
             for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
                 chunk.grad = g_chunk.mul(clip) if clip < 1.0 else g_chunk
@@ -251,17 +245,13 @@ class ShardedOptimizer(CheckpointStateAccess):
     def _step_resident(self, received: Optional[torch.Tensor], window: list) -> None:
         """Step `window`'s chunks with their parameter shards resident (fp32 offload_param: the chunks are
         views of them, and the step writes them), and their gradient shards when those are offloaded."""
-        if self.param_home is None or self.precision.mixed:
+        if not self.params_offloaded or self.precision.mixed:
             self._step_chunks(received, window)
             return
         indices = sorted({self._unit_of_chunk[id(c)] for c in window})
-        if self.grad_home is None:
-            with self._params_resident(indices, dirty=True):
-                self._step_chunks(received, window)
-            return
-        offloaded = [i for i in indices if self.grad_home.holds(self.units[i].grad_shard)]
+        offloaded = [i for i in indices if self.units[i].grad_offloaded]
         with self._params_resident(indices, dirty=True), \
-                self.grad_home.resident([self.units[i].grad_shard for i in offloaded]):
+                _holding([self.units[i].grad_resident() for i in offloaded]):
             for i in offloaded:
                 self._bind_grads(i, self.units[i].grad_shard, received)
             self._step_chunks(received, window)
@@ -328,3 +318,19 @@ class ShardedOptimizer(CheckpointStateAccess):
                 if torch.is_tensor(v) and v.dim() > 0:
                     total += v.numel() * v.element_size()
         return total + (self.offload.host_bytes() if self.offload is not None else 0)
+
+
+@contextlib.contextmanager
+def _holding(blocks: Iterable[ContextManager[None]]):
+    """Enter `blocks` in order for one block and leave them in that same order (not nested, not reversed):
+    an offload store then sees exactly the acquires and releases of one batched `resident([...])`, so
+    which shards it evicts, writes and reads ahead is what it was when callers passed it the shards."""
+    entered = []
+    try:
+        for block in blocks:
+            block.__enter__()
+            entered.append(block)
+        yield
+    finally:
+        for block in entered:
+            block.__exit__(None, None, None)

@@ -16,6 +16,14 @@ so at rest it holds (param + grad) * Psi_unit / N bytes, the paper's Pos+g+p. Th
 checkpoints see it through `seams.ShardedUnit`. Its gradients are a `flat.grad_shard.GradShard`
 (the gradient life cycle every stage shares) that reduce-scatters through the `ShardGroup`.
 
+[Note: a unit owns its residency] With offload_param, `param_shard` keeps its shape and views but
+has storage only while its store holds it resident (offload/shard_store.py); in fp32 with nvme the
+gradient shard too. The unit holds both stores (`param_home`: a `NullShardStore` when nothing is
+offloaded; the gradient's inside its `GradShard`) and is the only thing above the offload package
+that calls them (the strategy only plans, reports and closes them): callers hold a shard in memory
+with `resident(dirty=...)` / `grad_resident()` and read the gradient's square norm with
+`grad_square_norm()`, whether or not anything is offloaded.
+
 Two variants share the class:
 - persistent (every parameter below `stage3_param_persistence_threshold`): the gathered buffer is
   never freed and `param_shard` is a view of it; gradients are still reduce-scattered and the
@@ -31,9 +39,10 @@ parameters to the strategy.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from enum import Enum, auto
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 from torch import nn
@@ -43,6 +52,8 @@ from ..flat.buffer import FlatBuffer, free_storage
 from ..flat.grad_arithmetic import GradArithmetic
 from ..flat.grad_shard import GradShard
 from ..flat.whole_tensor_layout import layout_of
+from ..offload.null_store import NullShardStore
+from ..offload.shard_store import ShardStore
 from .inference_cache import Residency
 from .params import owner_of, set_partitioned
 from .shard_group import ShardGroup
@@ -59,7 +70,8 @@ class FlatUnit:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int, shards: ShardGroup, *,
                  index: int, module_name: str, trainable: bool, persistent: bool,
-                 whole_tensors: bool = False, owner_loads=None, param_home=None, grad_home=None,
+                 whole_tensors: bool = False, owner_loads=None, param_home: Optional[ShardStore] = None,
+                 grad_home: Optional[ShardStore] = None,
                  arithmetic: Optional[GradArithmetic] = None) -> None:
         if not params:
             raise ValueError("a FlatUnit needs at least one parameter")
@@ -102,8 +114,8 @@ class FlatUnit:
             home=None if persistent or whole_tensors else grad_home) if trainable else None
         self._gather_handle = None
         self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: see [Note: secondary shards]
-        # offload_param: an offload.ShardStore that param_shard's storage lives in between uses, or None
-        self.param_home = param_home
+        # where param_shard's storage lives between uses ([Note: a unit owns its residency])
+        self.param_home = param_home if param_home is not None else NullShardStore()
         self.holders = 0                 # module units (and gathered_parameters blocks) using the values now
         self.residency = Residency.TRANSIENT  # KEPT: the inference cache holds it gathered (inference_cache.py)
         self.state = ShardState.GATHERED
@@ -111,14 +123,14 @@ class FlatUnit:
             self.shards.live_numel += self.layout.padded_numel  # gathered since construction
             self.holders = 1
             self.release()
-            if param_home is not None:  # offload_param: the shard moves to its offloaded home now
-                param_home.adopt(self.param_shard)
+            self.param_home.adopt(self.param_shard)  # offload_param: the shard moves to its offloaded home now
 
     # -- accounting (the optimizer and memory_report read these) --------------------------------
 
     def param_bytes(self) -> int:
-        """Parameter bytes held now: the shard, plus the gathered buffer while it is allocated."""
+        """Parameter bytes held now: the shard (unless offloaded now), plus the gathered buffer while allocated."""
         shard = 0 if self.persistent else self.param_shard.numel() * self.param_shard.element_size()
+        shard -= self.param_home.offloaded_bytes(self.param_shard)
         if self.secondary_shard is not None:
             shard += self.secondary_shard.numel() * self.secondary_shard.element_size()
         return shard + self.gathered.nbytes
@@ -131,6 +143,30 @@ class FlatUnit:
     def grad_shard(self) -> torch.Tensor:
         """This rank's reduced, rank-averaged gradients (trainable units)."""
         return self.grads.shard
+
+    # -- residency ([Note: a unit owns its residency]) ----------------------------------------------
+
+    @property
+    def param_offloaded(self) -> bool:
+        """param_shard has storage only inside `resident()` (offload_param, sharded units)."""
+        return self.param_home.holds(self.param_shard)
+
+    @property
+    def grad_offloaded(self) -> bool:
+        """grad_shard has storage only inside `grad_resident()` (fp32 offload_param nvme)."""
+        return self.grads is not None and self.grads.offloaded
+
+    def resident(self, dirty: bool = False) -> ContextManager[None]:
+        """Hold param_shard in memory for a block; `dirty`: the block writes it (written back when evicted)."""
+        return self.param_home.resident([self.param_shard], dirty=dirty)
+
+    def grad_resident(self) -> ContextManager[None]:
+        """Hold grad_shard in memory for a block (the block reads it)."""
+        return self.grads.resident() if self.grads is not None else contextlib.nullcontext()
+
+    def grad_square_norm(self) -> torch.Tensor:
+        """float64 square of grad_shard's 2-norm; an offloaded shard's is kept from its delivery, not read."""
+        return self.grads.shard_square_norm()
 
     def name_of(self, param: torch.Tensor) -> str:
         for p, name in zip(self.params, self.names):
@@ -149,8 +185,7 @@ class FlatUnit:
                                                       secondary=True)
             self.state = ShardState.GATHERING
             return
-        if self.param_home is not None:  # offload_param: the shard is read in (or ahead) before it is sent
-            self.param_home.acquire(self.param_shard)
+        self.param_home.acquire(self.param_shard)  # offload_param: read in (or ahead) before it is sent
         self._gather_handle = self.shards.unshard(self.gathered.tensor, self.param_shard, what=self.describe(),
                                                   ranges=self._ranges)
         self.state = ShardState.GATHERING
@@ -162,7 +197,7 @@ class FlatUnit:
             self._gather_handle.wait()
             self.shards.gather_wait_s += time.perf_counter() - start
             self._gather_handle = None
-            if self.param_home is not None and self.secondary_shard is None:  # the gather no longer reads the shard
+            if self.secondary_shard is None:  # offload_param: the gather no longer reads the shard
                 self.param_home.release(self.param_shard)
             set_partitioned(self.params, self._classes)
             self.state = ShardState.GATHERED
@@ -226,11 +261,8 @@ class FlatUnit:
         assert self.state is ShardState.GATHERED
         comm.broadcast(self.gathered.tensor, src, self.shards.control_group, tag="param")  # src: a rank of the job
         if not self.persistent:
-            if self.param_home is not None:  # offload_param: written back to its home when evicted
-                self.param_home.acquire(self.param_shard)
-            self.param_shard.copy_(self.gathered.shard(self.shard_index))
-            if self.param_home is not None:
-                self.param_home.release(self.param_shard, dirty=True)
+            with self.resident(dirty=True):  # offload_param: written back to its home when evicted
+                self.param_shard.copy_(self.gathered.shard(self.shard_index))
             self.drop_secondary()
 
     # -- gradients ---------------------------------------------------------------------------------

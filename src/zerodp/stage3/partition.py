@@ -16,6 +16,7 @@ from .. import comm
 from ..config import ZeroConfig
 from ..errors import ConfigError
 from ..flat.grad_arithmetic import GradArithmetic
+from ..offload.null_store import NullShardStore
 from ..offload.tier import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit
 from .hpz import build_secondary_group
@@ -62,10 +63,10 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
                         secondary=secondary, replicated=replicated)
     plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
     threshold = zero.stage3_param_persistence_threshold
-    # offload_param: where sharded units' parameter shards live between uses (None: with the unit)
+    # offload_param: where sharded units' parameter shards live between uses (a null store: with the unit)
     param_home = build_param_offload(config, sum(p.numel() for p in params), params[0].element_size(),
-                                     max(p.numel() for p in params), process_group)
-    grad_home = build_grad_offload(config, param_home)  # fp32 offload_param nvme: the gradient shards too
+                                     max(p.numel() for p in params), process_group) or NullShardStore()
+    grad_home = build_grad_offload(config, param_home)  # fp32 offload_param nvme: the gradient shards too, or None
     flats: list[FlatUnit] = []
     owned_by_unit: list[tuple] = []
     # whole-tensor units are balanced across units: each on top of the elements ranks own in earlier ones

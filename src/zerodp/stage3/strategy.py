@@ -40,12 +40,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 from torch import nn
 
 from ..flat.reduce_queue import MAX_INFLIGHT, ReduceQueue
+from ..offload.null_store import NullShardStore
+from ..offload.shard_store import ShardStore
+from ..seams import ParamOffload
 from .flat_unit import FlatUnit
 from .module_unit import ModuleUnit
 from .params import register_owner, unregister_owner
@@ -64,11 +67,13 @@ class Stage3Sharding:
     reduces_every_micro_step = True  # gradients are sharded: reduce after every micro-step
 
     def __init__(self, model: nn.Module, module_units: list[ModuleUnit], flats: list[FlatUnit],
-                 shards: ShardGroup, schedule: Schedule, overlap_comm: bool = True, param_home=None,
-                 grad_home=None) -> None:
+                 shards: ShardGroup, schedule: Schedule, overlap_comm: bool = True,
+                 param_home: Optional[ShardStore] = None, grad_home: Optional[ShardStore] = None) -> None:
         self.module = model
-        self.param_home = param_home  # offload_param: offload.ShardStore of the sharded units' shards, or None
-        self.grad_home = grad_home    # ... and of their gradient shards (fp32 offload_param nvme), or None
+        # the stores its units' shards live in ([Note: a unit owns its residency] in flat_unit.py): the
+        # units call them; the strategy only plans, reports and closes them (and tests read their counters)
+        self.param_home = param_home if param_home is not None else NullShardStore()
+        self.grad_home = grad_home    # fp32 offload_param nvme: the gradient shards' store, or None (in memory)
         self.max_inflight = MAX_INFLIGHT if overlap_comm else 0
         self.module_units = module_units
         self.root = module_units[0]
@@ -181,12 +186,28 @@ class Stage3Sharding:
         for h in handles:
             h.wait()
 
+    def end_step(self) -> None:
+        """An optimizer step ended (taken or skipped): this step's order of shard reads predicts the next
+        one's ([Note: parameter read-ahead] in offload/shard_store.py)."""
+        self.param_home.end_step()
+
     def release_kept_units(self) -> None:
         """Release every unit kept gathered between inference forwards (training resumes, or the
         parameters are about to change); see inference_cache.py."""
         self.schedule.inference.release_all()
 
-    # -- introspection -------------------------------------------------------------------------------
+    # -- residency and introspection ---------------------------------------------------------------------
+
+    def all_resident(self, dirty: bool = False) -> ContextManager[None]:
+        """Every parameter shard in memory for a block (full_state_dict reads them all at once)."""
+        return self.param_home.all_resident(dirty=dirty)
+
+    def param_offload(self) -> Optional[ParamOffload]:
+        """offload_param: the stores' limit and files now, for memory_report; None when no shard is offloaded."""
+        if not self.param_home.offloads:
+            return None
+        grads = self.grad_home.disk_bytes() if self.grad_home is not None else None
+        return ParamOffload(self.param_home.limit_numel, self.param_home.disk_bytes(), grads)
 
     @property
     def live_numel(self) -> int:
@@ -209,7 +230,8 @@ class Stage3Sharding:
 
     def close(self) -> None:
         """Undo what construction installed: hooks, the parameter registry's entries, the reduction
-        communicator. Idempotent; the model's parameters stay sharded (the engine cannot train after)."""
+        communicator, the offload files. Idempotent; the model's parameters stay sharded and offloaded
+        shards are gone with their files (the engine cannot train after)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -219,3 +241,6 @@ class Stage3Sharding:
             for p in f.params:
                 unregister_owner(p)
         self.shards.close()
+        if self.grad_home is not None:  # its files are in the parameter store's folder, closed next
+            self.grad_home.close()
+        self.param_home.close()

@@ -3,7 +3,6 @@ rank must call them for the same parameter (they gather the shards)."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -37,8 +36,7 @@ def _whole(engine, unit, flat_shard: torch.Tensor, k: int) -> torch.Tensor:
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The parameter's whole fp32 (master) value, on CPU."""
     engine, unit, master, k = _locate(param)
-    home = getattr(engine, "param_home", None)  # offload_param: the shard is in memory only while held
-    with contextlib.nullcontext() if home is None else home.resident([unit.param_shard]):
+    with unit.resident():  # offload_param: the shard is in memory only while held
         return _whole(engine, unit, master if master is not None else unit.param_shard, k)
 
 
@@ -48,8 +46,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     engine, unit, master, k = _locate(param)
     if master is None:
         return None
-    home = getattr(engine, "grad_home", None)  # fp32 offload_param nvme: gradient shards are held like parameters
-    with contextlib.nullcontext() if home is None else home.resident([unit.grad_shard]):
+    with unit.grad_resident():  # fp32 offload_param nvme: gradient shards are held like parameters
         return _whole(engine, unit, unit.grad_shard.float() / engine.loss_scale, k)
 
 

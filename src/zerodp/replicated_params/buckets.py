@@ -15,8 +15,9 @@ Stage policy, in one place (`ReducePolicy`):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 
@@ -49,6 +50,10 @@ class ReducePolicy:
 
 class GradBucket:
     """Flat parameter buffer and gradient shard of one communication unit (stages 0-2)."""
+
+    # stages 0-2 offload no parameter or gradient (offload_optimizer moves optimizer state only)
+    param_offloaded = False
+    grad_offloaded = False
 
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, policy: ReducePolicy,
                  process_group: comm.ProcessGroup, whole_tensors: bool = False,
@@ -86,6 +91,17 @@ class GradBucket:
         """This rank's reduced, rank-averaged gradients (the whole buffer at stage 0)."""
         return self.grads.shard
 
+    def resident(self, dirty: bool = False) -> ContextManager[None]:
+        """The shards are always in memory."""
+        return contextlib.nullcontext()
+
+    def grad_resident(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def grad_square_norm(self) -> torch.Tensor:
+        """float64 square of the gradient shard's 2-norm."""
+        return self.grads.shard_square_norm()
+
     def param_bytes(self) -> int:
         """Bytes of parameter storage this bucket holds on this rank."""
         return self.param_buffer.nbytes
@@ -118,7 +134,7 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
 
     Parameters are walked in reverse model order, which approximates the order in which backward
     produces their gradients, so early buckets complete (and start reducing) early. A bucket never
-    mixes param groups (its shard is one tensor of one group) or dtypes. `whole[g]`: group g's
+    mixes param groups (its shard is one tensor of one group), dtypes or reduction dtypes (torch_autocast). `whole[g]`: group g's
     buckets give each rank whole tensors (flat/whole_tensor_layout.py); see [Note: whole-tensor buckets].
     """
     whole = whole or [False] * len(groups)
@@ -129,7 +145,7 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
     buckets: list[GradBucket] = []
     open_: dict[tuple, tuple[list, int]] = {}
     for gi, p in items:
-        key = (gi, p.dtype, p.device)
+        key = (gi, p.dtype, p.device, arithmetic.comm_dtype_of(p) if arithmetic is not None else None)
         params, numel = open_.get(key, ([], 0))
         # [Note: whole-tensor buckets] Each bucket's whole tensors are balanced over the ranks on their
         # own (its shards are equal, so the fullest rank sets the padding for all). A bucket of a few
@@ -142,7 +158,7 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
             buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic))
             params, numel = [], 0
         open_[key] = (params + [p], numel + p.numel())
-    for (gi, _, _), (params, _) in open_.items():
+    for (gi, *_), (params, _) in open_.items():
         if params:
             buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic))
     return buckets

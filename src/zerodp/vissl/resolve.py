@@ -19,8 +19,8 @@ import warnings
 from typing import Callable
 
 from ..errors import ConfigError
-from .vissl_schedule import _float
-from .vissl_setup import (_BASE_KEYS, _READ_MODEL, _SCHEDULE_KEYS, _SUB_SCHEDULE_KEYS, _TOP_KEYS, VisslSetup, _close,
+from .lr_curve import _float, build_lr_curve
+from .resolved import (_BASE_KEYS, _READ_MODEL, _SCHEDULE_KEYS, _SUB_SCHEDULE_KEYS, _TOP_KEYS, VisslSetup, _close,
                           _merge)
 
 _OPTIMIZERS = {"sgd", "sgd_fsdp", "adam", "adamw"}
@@ -206,9 +206,7 @@ def resolve(user: dict, defaults: dict, check: Callable) -> VisslSetup:
                    "update_interval": "step"}
     else:
         lr_spec = _scaled_schedule(opt["param_schedulers"]["lr"], cfg, notes)
-    from .vissl_schedule import build_schedule
-
-    build_schedule(lr_spec, int(opt["num_epochs"]))  # a bad schedule fails here, at load, not mid-training
+    build_lr_curve(lr_spec, int(opt["num_epochs"]))  # a bad schedule fails here, at load, not mid-training
     return VisslSetup(zero_config=out, optimizer=spec, lr_schedule_spec=lr_spec, num_epochs=int(opt["num_epochs"]),
                       update_interval=str(lr_spec.get("update_interval", "epoch")), read=read, ignored=ignored,
                       notes=notes)

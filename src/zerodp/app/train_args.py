@@ -19,7 +19,7 @@ import torch
 from ..config import load_config
 from ..errors import UsageError
 from . import run_folder
-from .gpt import MODEL_PRESETS
+from ..models.gpt import MODEL_PRESETS
 
 DEFAULT_STAGE = 3
 # About 4-5 minutes for the small model on 2 CPU cores (see docs/cli.md for the measurement).

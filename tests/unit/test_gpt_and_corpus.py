@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from zerodp.examples.corpus import ByteCorpus
-from zerodp.examples.gpt import GPT, MODEL_PRESETS, GPTConfig, lm_loss
+from zerodp.app.corpus import ByteCorpus
+from zerodp.models.gpt import GPT, MODEL_PRESETS, GPTConfig, lm_loss
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""VISSL config files, read as VISSL writes them, turned into a zerodp run.
+"""VISSL config files, read as VISSL writes them, translated into zerodp's config.
 
-    setup = zerodp.config_vissl.load_vissl("swav_8node_resnet.yaml")   # or a list: base, then overlays
+    setup = zerodp.vissl.load_vissl("swav_8node_resnet.yaml")   # or a list: base, then overlays
     engine, schedule = zerodp.integrations.vissl.initialize(setup, model, steps_per_epoch=len(loader))
     ... engine.backward(loss); engine.step(); schedule.step()          # per optimizer step
 
@@ -13,7 +13,7 @@ VISSL's trainer and is reported once as ignored):
     MODEL.GRAD_CLIP                  -> gradient_clipping
     DATA.TRAIN.BATCHSIZE_PER_REPLICA, DISTRIBUTED.NUM_NODES/NUM_PROC_PER_NODE   batch size, auto LR scaling
     TRAINER.TASK_NAME                an *fsdp* task means stage 3
-Absent keys take VISSL's own defaults (`vissl_defaults.VISSL_DEFAULTS`, from VISSL's defaults.yaml).
+Absent keys take VISSL's own defaults (`defaults.VISSL_DEFAULTS`, from VISSL's defaults.yaml).
 Unknown keys inside the sections read are errors naming the closest valid key.
 """
 
@@ -26,9 +26,9 @@ from typing import Any, Iterable, Optional, Union
 
 
 from ..errors import ConfigError
-from .vissl_defaults import VISSL_DEFAULTS
-from .vissl_resolve import resolve
-from .vissl_setup import VisslSetup, _check_keys, _merge
+from .defaults import VISSL_DEFAULTS
+from .resolve import resolve
+from .resolved import VisslSetup, _check_keys, _merge
 
 log = logging.getLogger("zerodp")
 
@@ -121,7 +121,7 @@ def translate_vissl(data: dict) -> dict:
 
 def vissl_setup_of(config: Any) -> tuple[Optional[VisslSetup], Any]:
     """For `zerodp.initialize(model, None, config)`: when `config` is a VISSL file or mapping, return
-    (its resolved setup, the zero config), the optimizer being `optim.vissl_params.vissl_optimizer`'s; otherwise
+    (its resolved setup, the zero config), the optimizer being `optim.vissl_optimizer.vissl_optimizer`'s; otherwise
     (None, config) unchanged. A VISSL schedule that is not constant needs the steps per epoch, so it is
     refused here with the fix."""
     if isinstance(config, (str, Path)):
@@ -141,5 +141,5 @@ def vissl_setup_of(config: Any) -> tuple[Optional[VisslSetup], Any]:
     if setup.lr_schedule_spec["name"] != "constant":
         raise ConfigError(f"VISSL config: the learning rate follows a '{setup.lr_schedule_spec['name']}' schedule, "
                           f"which needs the steps per epoch: use engine, schedule = zerodp.integrations.vissl."
-                          f"initialize(zerodp.config_vissl.load_vissl(path), model, steps_per_epoch=...) and call schedule.step() after engine.step()")
+                          f"initialize(zerodp.vissl.load_vissl(path), model, steps_per_epoch=...) and call schedule.step() after engine.step()")
     return setup, setup.zero_config

@@ -35,7 +35,7 @@ from .. import comm
 from ..memory import format_bytes
 from . import run_folder
 from .corpus import ByteCorpus
-from .gpt import GPT, MODEL_PRESETS, lm_loss
+from ..models.gpt import GPT, MODEL_PRESETS, lm_loss
 from .train_args import TrainArgs, under_torchrun
 from .report import MetricsLog, format_log_line, plot_loss, read_metrics, render_summary
 

@@ -1,7 +1,9 @@
 """What zerodp reads from a VISSL config: the key sets of the sections it reads, and `VisslSetup`, the
-resolved result (`vissl_resolve.resolve` builds it; `vissl.load_vissl` is the entry point).
+resolved result (`resolve.resolve` builds it; `translate.load_vissl` is the entry point).
 
-Building an engine from a setup belongs above the config layer: `zerodp.integrations.vissl.initialize`.
+A setup is data: what needs a model or an optimizer (VISSL's param groups, its optimizer, the lr scheduler
+stepping param groups) is built from it in `optim/vissl_optimizer.py`; an engine, by
+`zerodp.integrations.vissl.initialize`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Iterable
 
 
 from ..errors import ConfigError
-from .vissl_schedule import LRSchedule, build_schedule
+from .lr_curve import build_lr_curve
 
 _TOP_KEYS = {"OPTIMIZER", "MODEL", "USE_SDP", "DATA", "LOSS", "TRAINER", "DISTRIBUTED", "MACHINE", "CHECKPOINT",
              "HOOKS", "METERS", "SEED_VALUE"}
@@ -51,7 +53,7 @@ class VisslSetup:
     """A VISSL config resolved for zerodp: the DeepSpeed-style config plus what needs the model."""
 
     zero_config: dict
-    optimizer: dict            # name, hyper-parameters, LARC, regularization (built by optim/vissl_params.py)
+    optimizer: dict            # name, hyper-parameters, LARC, regularization (built by optim/vissl_optimizer.py)
     lr_schedule_spec: dict     # OPTIMIZER.param_schedulers.lr after VISSL's auto LR scaling
     num_epochs: int
     update_interval: str
@@ -68,9 +70,5 @@ class VisslSetup:
         return "\n".join(lines + self.notes)
 
     def schedule_value(self, where: float) -> float:
-        return build_schedule(self.lr_schedule_spec, self.num_epochs)(where)
-
-    def lr_schedule(self, optimizer, steps_per_epoch: int) -> LRSchedule:
-        """The learning-rate schedule over `optimizer.param_groups` (engine.optimizer for a zerodp engine)."""
-        schedule = build_schedule(self.lr_schedule_spec, self.num_epochs)
-        return LRSchedule(optimizer.param_groups, schedule, self.num_epochs, steps_per_epoch, self.update_interval)
+        """The learning rate at `where`, the fraction of training done (lr_curve.py)."""
+        return build_lr_curve(self.lr_schedule_spec, self.num_epochs)(where)

@@ -7,7 +7,8 @@ updated shards back into the full parameters (stages 1-2; stage 0 stepped them w
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import ContextManager, Optional
 
 import torch
 
@@ -84,6 +85,20 @@ class GradReducer:
         handles = [b.gather_params(self.allgather_numel) for b in self.buckets]
         for handle in handles:
             handle.wait()
+
+    def end_step(self) -> None:
+        """Nothing: stages 0-2 keep no per-step plan."""
+
+    def release_kept_units(self) -> None:
+        """Nothing: stages 0-2 keep every parameter whole, nothing is kept gathered."""
+
+    def all_resident(self, dirty: bool = False) -> ContextManager[None]:
+        """Stages 0-2 never offload parameters: always resident."""
+        return contextlib.nullcontext()
+
+    def param_offload(self) -> None:
+        """None: offload_param is stage 3's (stages 0-2 offload only optimizer state)."""
+        return None
 
     def take_written_units(self) -> list:
         """None: stage 0-2 shards are only written by the optimizer step (and checkpoint loads)."""

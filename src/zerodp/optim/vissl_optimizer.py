@@ -1,4 +1,6 @@
-"""VISSL's parameter groups and optimizer, rebuilt over a plain PyTorch model.
+"""VISSL's optimizer, rebuilt over a plain PyTorch model from a resolved `zerodp.vissl.VisslSetup`: the runtime
+half of VISSL's dialect (param groups, SGD/Adam(W) with LARC, the lr scheduler over param groups), which
+needs a model or an optimizer and so sits here, with the optimizer, not in the pure translation.
 
 VISSL's default param-group rule, per module:
     Linear / Conv            weight: regularized; bias: regularized iff regularize_bias
@@ -14,10 +16,14 @@ is the same, so zerodp keeps two groups.)
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..vissl import VisslSetup, vissl_setup_of
+from ..vissl.lr_curve import WHERE_EPSILON, LRCurve, build_lr_curve
 from .larc import LARC
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
@@ -76,21 +82,75 @@ def build_vissl_optimizer(model: nn.Module, spec: dict, lr: float):
         opt = torch.optim.Adam(groups, lr=lr, betas=tuple(spec["betas"]))
     elif name == "adamw":
         opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(spec["betas"]))
-    else:  # vissl_resolve validates the name first; this guards direct callers
+    else:  # vissl.resolve validates the name first; this guards direct callers
         raise ConfigError(f"VISSL config: optimizer '{name}' is not supported")
     return LARC(opt, **spec["larc"]) if spec["larc"] is not None else opt
 
 
-def vissl_optimizer(setup, model: nn.Module):
-    """The optimizer VISSL builds for a resolved `config.vissl_setup.VisslSetup`: VISSL's param groups, SGD/Adam(W),
+def vissl_optimizer(setup: VisslSetup, model: nn.Module):
+    """The optimizer VISSL builds for a resolved `VisslSetup`: VISSL's param groups, SGD/Adam(W),
     LARC around SGD if use_larc, at the schedule's learning rate at epoch 0."""
     return build_vissl_optimizer(model, setup.optimizer, lr=setup.schedule_value(0.0))
 
 
 def vissl_initialize_args(model: nn.Module, config):
     """For `zerodp.initialize(model, None, config)`: (VISSL's optimizer, the zero config) when `config` is a VISSL
-    file or mapping; otherwise (None, config) unchanged (config/vissl.py's `vissl_setup_of`)."""
-    from ..config.vissl import vissl_setup_of
-
+    file or mapping; otherwise (None, config) unchanged (`zerodp.vissl.vissl_setup_of`)."""
     setup, config = vissl_setup_of(config)
     return (vissl_optimizer(setup, model) if setup is not None else None), config
+
+
+def vissl_lr_scheduler(setup: VisslSetup, optimizer, steps_per_epoch: int) -> "VisslLRScheduler":
+    """VISSL's learning-rate schedule over `optimizer.param_groups` (engine.optimizer for a zerodp engine)."""
+    curve = build_lr_curve(setup.lr_schedule_spec, setup.num_epochs)
+    return VisslLRScheduler(optimizer.param_groups, curve, setup.num_epochs, steps_per_epoch, setup.update_interval)
+
+
+class VisslLRScheduler:
+    """Sets `lr` on every param group of an optimizer from a VISSL lr curve, one call per optimizer step.
+
+    Construction sets the learning rate of step 0; call `step()` after each optimizer step (the
+    ZeroTrainer/engine user does, like a torch LR scheduler). `lr_at(step)` is the pure formula.
+    """
+
+    def __init__(self, param_groups: Iterable[dict], curve: LRCurve, num_epochs: int, steps_per_epoch: int,
+                 update_interval: str) -> None:
+        if steps_per_epoch < 1:
+            raise ConfigError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+        if update_interval not in ("step", "epoch"):
+            raise ConfigError(f"VISSL config: update_interval is 'step' or 'epoch', got {update_interval!r}")
+        self.param_groups = list(param_groups)
+        self.curve, self.num_epochs, self.steps_per_epoch = curve, num_epochs, steps_per_epoch
+        self.update_interval = update_interval
+        self.total_steps = num_epochs * steps_per_epoch
+        self.last_step = 0
+        self._apply()
+
+    def where(self, step: int) -> float:
+        """VISSL's fraction of training done before optimizer step `step` (0-based)."""
+        if self.update_interval == "epoch":
+            return (step // self.steps_per_epoch) / self.num_epochs
+        return step / self.total_steps
+
+    def lr_at(self, step: int) -> float:
+        return self.curve(min(self.where(step), 1.0 - WHERE_EPSILON))
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.param_groups]
+
+    def step(self) -> None:
+        """Advance one optimizer step and set the learning rate the next step uses."""
+        self.last_step += 1
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = self.lr_at(self.last_step)
+        for group in self.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step = int(state["last_step"])
+        self._apply()

@@ -1,4 +1,7 @@
-"""VISSL's learning-rate schedules (`OPTIMIZER.param_schedulers.lr`), stepped once per optimizer step.
+"""VISSL's learning-rate schedules (`OPTIMIZER.param_schedulers.lr`) as curves: the lr as a function of `where`.
+
+A curve is pure arithmetic (no optimizer, no torch); `optim.vissl_optimizer.VisslLRScheduler` applies it to
+an optimizer's param groups once per optimizer step.
 
 VISSL evaluates a schedule at `where`, the fraction of training done, in [0, 1):
     update_interval: step   where = step / (num_epochs * steps_per_epoch)
@@ -19,12 +22,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable, Iterable
+from typing import Callable
 
 from ..errors import ConfigError
 
 WHERE_EPSILON = 1e-6
-Schedule = Callable[[float], float]
+LRCurve = Callable[[float], float]  # where (fraction of training done, in [0, 1)) -> lr
 
 _KEYS = {
     "constant": {"value"},
@@ -43,8 +46,9 @@ def _float(section: str, value) -> float:
         raise ConfigError(f"VISSL config: {section} must be a number, got {value!r}") from None
 
 
-def build_schedule(spec: dict, num_epochs: int, section: str = "OPTIMIZER.param_schedulers.lr") -> Schedule:
-    """A function of `where` for one VISSL schedule mapping (keys other kinds use are ignored, as in VISSL)."""
+def build_lr_curve(spec: dict, num_epochs: int, section: str = "OPTIMIZER.param_schedulers.lr") -> LRCurve:
+    """The curve (a function of `where`) of one VISSL schedule mapping (keys other kinds use are ignored, as in
+    VISSL)."""
     name = spec.get("name")
     if name not in _KEYS:
         raise ConfigError(f"VISSL config: {section}.name '{name}' is not supported; zerodp supports "
@@ -79,7 +83,7 @@ def build_schedule(spec: dict, num_epochs: int, section: str = "OPTIMIZER.param_
     return _composite(spec, num_epochs, section)
 
 
-def _composite(spec: dict, num_epochs: int, section: str) -> Schedule:
+def _composite(spec: dict, num_epochs: int, section: str) -> LRCurve:
     subs, lengths, scaling = spec["schedulers"], spec["lengths"], spec["interval_scaling"]
     if not (len(subs) == len(lengths) == len(scaling)) or not subs:
         raise ConfigError(f"VISSL config: {section} (composite) needs as many lengths and interval_scaling "
@@ -91,7 +95,7 @@ def _composite(spec: dict, num_epochs: int, section: str) -> Schedule:
     for s in scaling:
         if s not in ("rescaled", "fixed"):
             raise ConfigError(f"VISSL config: {section}.interval_scaling entries are 'rescaled' or 'fixed', got {s!r}")
-    schedules = [build_schedule(sub, num_epochs, f"{section}.schedulers[{i}]") for i, sub in enumerate(subs)]
+    schedules = [build_lr_curve(sub, num_epochs, f"{section}.schedulers[{i}]") for i, sub in enumerate(subs)]
 
     def value(where: float) -> float:
         i, end = 0, lengths[0]
@@ -104,53 +108,3 @@ def _composite(spec: dict, num_epochs: int, section: str) -> Schedule:
         return schedules[i]((where - start) / lengths[i])
 
     return value
-
-
-class LRSchedule:
-    """Sets `lr` on every param group of an optimizer from a VISSL schedule, one call per optimizer step.
-
-    Construction sets the learning rate of step 0; call `step()` after each optimizer step (the
-    ZeroTrainer/engine user does, like a torch LR scheduler). `lr_at(step)` is the pure formula.
-    """
-
-    def __init__(self, param_groups: Iterable[dict], schedule: Schedule, num_epochs: int, steps_per_epoch: int,
-                 update_interval: str) -> None:
-        if steps_per_epoch < 1:
-            raise ConfigError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
-        if update_interval not in ("step", "epoch"):
-            raise ConfigError(f"VISSL config: update_interval is 'step' or 'epoch', got {update_interval!r}")
-        self.param_groups = list(param_groups)
-        self.schedule, self.num_epochs, self.steps_per_epoch = schedule, num_epochs, steps_per_epoch
-        self.update_interval = update_interval
-        self.total_steps = num_epochs * steps_per_epoch
-        self.last_step = 0
-        self._apply()
-
-    def where(self, step: int) -> float:
-        """VISSL's fraction of training done before optimizer step `step` (0-based)."""
-        if self.update_interval == "epoch":
-            return (step // self.steps_per_epoch) / self.num_epochs
-        return step / self.total_steps
-
-    def lr_at(self, step: int) -> float:
-        return self.schedule(min(self.where(step), 1.0 - WHERE_EPSILON))
-
-    def get_last_lr(self) -> list[float]:
-        return [g["lr"] for g in self.param_groups]
-
-    def step(self) -> None:
-        """Advance one optimizer step and set the learning rate the next step uses."""
-        self.last_step += 1
-        self._apply()
-
-    def _apply(self) -> None:
-        lr = self.lr_at(self.last_step)
-        for group in self.param_groups:
-            group["lr"] = lr
-
-    def state_dict(self) -> dict:
-        return {"last_step": self.last_step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.last_step = int(state["last_step"])
-        self._apply()
