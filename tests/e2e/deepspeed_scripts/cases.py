@@ -35,6 +35,7 @@ class Case(NamedTuple):
     local_rank: bool = False  # pass --local_rank=<n> as DeepSpeed's launcher does (zerodp.deepspeed.run --local_rank)
     needs: tuple = ()     # packages the script imports beyond torch (skipped, naming them, where missing)
     env: tuple = ()       # extra (NAME, VALUE) environment entries for the script's ranks
+    compare_with: str = ""  # the recorded DeepSpeed case whose losses zerodp's must equal (default: this one)
 
 
 # DeepSpeed's tests/torch_compile/test_compile.py, 100 steps per rank with its published configs: its loss is
@@ -65,6 +66,11 @@ _CHAT_ARGS = ("--model_name_or_path", "{model}", "--data_path", "local/jsonfile"
               "--max_seq_len", "16", "--learning_rate", "1e-3", "--dtype", "bf16")
 _CHAT = dict(path=("deepspeed_chat",), local_rank=True, needs=("transformers", "datasets"),
              env=(("TRANSFORMERS4_NAMES", "1"), ("HF_HUB_OFFLINE", "1")))
+# Stage 0 is compared with DeepSpeed's stage-1 losses: DeepSpeed 0.19.8 without ZeRO wraps a bf16 model's
+# optimizer in its FP16_Optimizer (DDP_BFLOAT16), whose losses leave its own stages 1 and 2 (bitwise equal to each
+# other) from the second step on, within 4 steps by up to 0.014 (SFT's fp32 loss of ~3.6), 2 bf16 ulps (DPO) and
+# 12 (reward model: 0.445 vs 0.402), recorded in expected_deepspeed.json under the stage-0 names. zerodp's stage 0 is bitwise its stages 1 and 2, which are
+# bitwise DeepSpeed's stages 1 and 2 here. (The cause inside DeepSpeed's stage-0 wrapper was not traced.)
 _CHAT_DEFAULT = {("dpo", 2)}  # the default suite's one: two engines (one forward-only), the HF schedule, LoRA-free
 
 
@@ -87,7 +93,8 @@ CASES = [
       for dtype in ("float32", "bfloat16")],
     *[Case(f"chat-{step}-bf16-stage{s}", f"deepspeed_chat/training/{_CHAT_STEPS[step]}/main.py",
            (*_CHAT_ARGS, "--data_split", "10,0,0" if step == "sft" else "0,10,0", "--zero_stage", str(s)),
-           bf16=True, default=(step, s) in _CHAT_DEFAULT, **_CHAT)
+           bf16=True, default=(step, s) in _CHAT_DEFAULT, compare_with=f"chat-{step}-bf16-stage1" if s == 0 else "",
+           **_CHAT)
       for step in _CHAT_STEPS for s in (0, 1, 2)],
     # LoRA on the decoder layers, only the LoRA weights trained (frozen parameters, deepspeed.compression.helper).
     # No --output_dir: its save_hf_format calls tokenizer.save_vocabulary, which transformers 5's tokenizers lack.
