@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_scripts"))
-from cases import CASES, EXPECTED, SEED, command_args, environment  # noqa: E402
+from cases import CASES, EXPECTED, SEED, TINY_MODEL_KEY, command_args, environment, tiny_model_digest  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 ALL = os.environ.get("ZERODP_ALL_SCRIPT_STAGES") == "1"
@@ -110,8 +110,13 @@ def test_deepspeed_script_losses_equal_deepspeed(tmp_path, case):
                                  RECORD_LOSSES=str(tmp_path), RECORD_ENGINE="zerodp"), tmp_path, [str(SRC), *inherited])
     env.pop("DS_ACCELERATOR", None)
     launch = ["-m", "zerodp.deepspeed.run", *(["--local_rank"] if case.local_rank else [])]
+    args = command_args(case, tmp_path)
+    digest = tiny_model_digest(case, tmp_path)
+    if digest is not None:  # DeepSpeed's losses were recorded for these weights only
+        assert digest == expected[TINY_MODEL_KEY], ("tiny_chat.py's model has other weights than DeepSpeed was "
+                                                    "recorded with (another transformers?): re-record the chat cases")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29741", *launch, *command_args(case, tmp_path)],
+                           "29741", *launch, *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
     if case.expect_error:  # the script's own check stops it where it stops DeepSpeed 0.19.8 (cases.py)
         assert proc.returncode != 0 and case.expect_error in proc.stderr, f"exit {proc.returncode}\n{proc.stderr[-5000:]}"

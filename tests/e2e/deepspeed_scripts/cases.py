@@ -16,6 +16,7 @@ HERE = Path(__file__).resolve().parent
 SHIM = HERE / "shim"
 EXPECTED = HERE / "expected_deepspeed.json"
 SEED = 0  # SEED_AT_START for the shim (the CIFAR script never seeds torch)
+TINY_MODEL_KEY = "_tiny_chat_model_sha256"  # in EXPECTED: the weights DeepSpeed-Chat's cases were recorded with
 
 _SDMA_SIZES = ["--vocab_size", "64", "--hidden_size", "32", "--num_layers", "2", "--num_heads", "2",
                "--max_seq_len", "16", "--num_samples", "16", "--train_steps", "4"]
@@ -136,6 +137,15 @@ def command_args(case: Case, tmp: Path) -> list:
             tiny_chat.write_model(arg)
         out.append(arg.replace("{tmp}", str(tmp)))
     return out
+
+
+def tiny_model_digest(case: Case, tmp: Path) -> Optional[str]:
+    """The digest of the tiny model command_args wrote for `case` (None if it takes none)."""
+    if "{model}" not in case.args:
+        return None
+    import tiny_chat
+
+    return tiny_chat.weights_sha256(str(tmp / "tiny_model"))
 
 
 def environment(case: Case, base: dict, tmp: Path, extra_path: list) -> dict:

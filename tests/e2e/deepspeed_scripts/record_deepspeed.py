@@ -24,7 +24,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from cases import CASES, EXPECTED, SEED, command_args, environment
+from cases import CASES, EXPECTED, SEED, TINY_MODEL_KEY, command_args, environment, tiny_model_digest
 
 
 def main(names: list) -> None:
@@ -53,6 +53,11 @@ def main(names: list) -> None:
             stopped_as_expected = case.expect_error and case.expect_error in proc.stderr
             if (proc.returncode != 0) != bool(stopped_as_expected):
                 raise SystemExit(f"{case.name}: DeepSpeed failed\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            digest = tiny_model_digest(case, Path(tmp))
+            if digest is not None:
+                if results.setdefault(TINY_MODEL_KEY, digest) != digest:
+                    raise SystemExit(f"{case.name}: the tiny model's weights differ from those the other DeepSpeed-Chat "
+                                     f"cases were recorded with; record all of them")
             results[case.name] = [json.loads((Path(tmp) / f"losses_rank{r}.json").read_text()) for r in range(2)]
             print(case.name, results[case.name], flush=True)
     EXPECTED.write_text(json.dumps(results, indent=1) + "\n")

@@ -74,6 +74,21 @@ def write_model(out: str) -> None:
     tokenizer.save_pretrained(out)
 
 
+def weights_sha256(out: str) -> str:
+    """A digest of the written model's tensors (names, dtypes, shapes, bytes): the recorded DeepSpeed losses
+    hold for these weights only, so a transformers whose initialization draws differently must re-record."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(str(Path(out) / "model.safetensors")).items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["data"]:
         write_data()
