@@ -53,7 +53,7 @@ BENCH_VENV := bench/.venv
 $(BENCH_VENV)/.installed:
 	$(PY) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q torch==2.13.0
-	$(BENCH_VENV)/bin/pip install -q deepspeed==0.19.8 ninja
+	$(BENCH_VENV)/bin/pip install -q deepspeed==0.19.8 ninja datasets==5.2.0
 	$(BENCH_VENV)/bin/pip install -q -e ".[plot]" torch==2.13.0
 	touch $@
 

@@ -23,7 +23,7 @@ def _adapter(model: torch.nn.Module) -> DeepSpeedEngine:
     model(torch.randn(2, 3)).sum().backward()
     inner.step()  # Adam's state (exp_avg, exp_avg_sq) now exists, on the parameters' device
     closed = []
-    zero = SimpleNamespace(module=model, optimizer=SimpleNamespace(optimizer=inner), lr_scheduler=None,
+    zero = SimpleNamespace(module=model, optimizer=SimpleNamespace(optimizer=inner), lr_scheduler=None, train_batch_size=4,
                            close=lambda: closed.append(True), closed=closed,
                            compile=lambda **kwargs: model.compile(**kwargs))  # ZeroEngine.compile, stages 0-2
     return DeepSpeedEngine(zero)

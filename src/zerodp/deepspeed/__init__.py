@@ -35,9 +35,15 @@ DeepSpeed's examples/; transformers' and accelerate's integrations add the last 
     deepspeed.runtime.zero.offload_config: OffloadDeviceEnum,  1  runtime/zero/offload_config.py;
       OffloadStateTypeEnum; engine.offload_states/reload_states   engine.py (CPU: nothing to move)
     engine.compile()                                           1  engine.py (module.compile)
+    deepspeed.compression.helper: recursive_getattr/setattr    1  compression/helper.py (DeepSpeed-Chat's LoRA)
+    initialize(model=, config=) without an optimizer           1  forward_engine.py (DPO's reference model)
+    engine.<module attribute> (engine.model, ...),              1  engine.py (DeepSpeed's engine answers with
+      engine.tput_timer.update_epoch_count()                       its module's attributes); utils/timer.py
+    launcher's --local_rank=<n> argument                        3  run.py --local_rank (DeepSpeed-Chat)
     not provided (import fails naming the module): deepspeed.pipe, ops.sparse_attention,
       DeepSpeedTransformerLayer, module_inject, runtime.data_pipeline,
-      compression, comm.mori, ops.lion, ops.adagrad, checkpoint.utils, init_inference, tp_model_init
+      compression (but its helper), comm.mori, ops.lion, ops.adagrad, checkpoint.utils, init_inference,
+      tp_model_init
 
 This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config.compat`), the
 optimizers (`optim.deepspeed_types`) and the schedules (`optim.lr_schedules`) are zerodp's own.
@@ -56,6 +62,13 @@ Where zerodp differs from DeepSpeed on purpose (the engine's differences are in 
     cast only where DeepSpeed casts them (fp16 with `auto_cast: true`), so an fp32 tensor a bf16 model adds
     to its activations promotes the result to fp32 as in DeepSpeed.
   - `get_accelerator().device_count()` on CPU is LOCAL_SIZE or 1 (DeepSpeed counts NUMA nodes).
+  - `initialize` without an optimizer (no argument, no config section) returns a forward-only engine
+    (forward_engine.py): the module in the compute dtype, as DeepSpeed's; at stage 3 it is refused
+    (DeepSpeed partitions such a model for inference), and so are its `backward`/`step`.
+  - transformers' `HfDeepSpeedConfig` needs the `deepspeed` distribution (it asks `importlib.metadata`),
+    which zerodp does not pretend to be: a script that creates one (DeepSpeed-Chat at stage 3) stops in
+    transformers saying that distribution was not found. Without it, the model is built whole and
+    zerodp partitions it in `initialize`, with the same weights (see `zero.Init` above).
 """
 
 from __future__ import annotations
@@ -76,6 +89,7 @@ from ..optim.inner import build_from_section, build_from_sections
 from . import accelerator, comm, moe, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
+from .forward_engine import ForwardEngine
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "get_accelerator",
            "accelerator", "comm", "moe", "ops", "runtime", "utils", "zero"]
@@ -202,6 +216,12 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         else:
             optimizer = build_from_section(cfg.optimizer.type, cfg.optimizer.params, model_parameters)
         cfg = cfg.model_copy(update={"optimizer": None})
+    if optimizer is None and cfg.optimizer is None:
+        # nothing to train with: DeepSpeed's engine for forward passes (a frozen reference model)
+        if lr_scheduler is not None or cfg.scheduler is not None or training_data is not None:
+            raise ConfigError("initialize got a learning-rate schedule or training_data but no optimizer; pass "
+                              "optimizer=... or an 'optimizer' config section, or drop them for a forward-only engine")
+        return ForwardEngine(model, cfg), None, None, None
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")
     engine = DeepSpeedEngine(zerodp_initialize(model, optimizer, cfg, cast_inputs=_casts_inputs(source)),

@@ -25,6 +25,7 @@ import torch
 
 from ..config import ConfigError
 from ..engine import ZeroEngine
+from .utils.timer import ThroughputTimer
 
 # Which engine trains a parameter (for zerodp.deepspeed.utils' per-parameter getters).
 ENGINE_OF_PARAM: "weakref.WeakValueDictionary[int, DeepSpeedEngine]" = weakref.WeakValueDictionary()
@@ -47,6 +48,11 @@ class ClientSchedule:
             inner_group.update({k: v for k, v in source.param_groups[user_index].items() if k != "params"})
 
     def step(self, *args, **kwargs) -> None:
+        source = getattr(self.scheduler, "optimizer", None)
+        if source is not None and source is not self.engine.optimizer.optimizer:
+            # the user's optimizer never steps (the engine's master-shard copy does), so torch would warn that
+            # the schedule steps before its optimizer; the engine has stepped by now
+            source._opt_called = True
         self.scheduler.step(*args, **kwargs)
         self._sync()
 
@@ -73,9 +79,12 @@ class DeepSpeedEngine:
             engine.lr_scheduler = ClientSchedule(built, engine)
         for p in engine.module.parameters():
             ENGINE_OF_PARAM[id(p)] = self
+        self.tput_timer = ThroughputTimer(engine.train_batch_size)
 
     # -- the training loop ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self.engine.module.training:  # DeepSpeed times training steps only
+            self.tput_timer.start()
         return self.engine(*args, **kwargs)
 
     forward = __call__
@@ -85,7 +94,9 @@ class DeepSpeedEngine:
         return loss
 
     def step(self, lr_kwargs=None) -> None:
+        boundary = self.engine.is_accumulation_boundary  # read before step() advances the micro-step count
         self.engine.step()
+        self.tput_timer.stop(global_step=boundary)
 
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.engine.train(mode)
@@ -203,8 +214,19 @@ class DeepSpeedEngine:
         return self.engine.stage > 0
 
     def __getattr__(self, name: str):
-        # anything else zerodp's engine has (memory_report, full_state_dict, timings, ...)
-        return getattr(self.__dict__["engine"], name)
+        # anything else zerodp's engine has (memory_report, full_state_dict, timings, ...), then, as DeepSpeed's
+        # engine does, the model's own attributes (`engine.config` of an HF model is the engine's, but
+        # `engine.model`, `engine.gradient_checkpointing_enable` are the module's)
+        engine = self.__dict__["engine"]
+        try:
+            return getattr(engine, name)
+        except AttributeError:
+            pass
+        try:
+            return getattr(engine.module, name)
+        except AttributeError:
+            raise AttributeError(f"'DeepSpeedEngine' object has no attribute {name!r} (neither has its module, "
+                                 f"{type(engine.module).__name__})") from None
 
     # -- states between devices ------------------------------------------------------------------------
     def _state_devices(self) -> set:

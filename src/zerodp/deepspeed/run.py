@@ -4,6 +4,11 @@
 
 installs the `deepspeed` alias (alias.py), then runs the script as `__main__` with its own directory first
 on sys.path and `sys.argv` = [script, ARGS...], as `python script.py ARGS` would.
+
+    torchrun --nproc_per_node 2 -m zerodp.deepspeed.run --local_rank train.py ARGS
+
+also passes `--local_rank=<LOCAL_RANK>` first, as DeepSpeed's launcher (`deepspeed train.py`) does: some
+scripts (DeepSpeed-Chat's) take their rank only from that argument and never read the environment.
 """
 
 from __future__ import annotations
@@ -15,14 +20,24 @@ import sys
 from .alias import install
 
 
+USAGE = "usage: python -m zerodp.deepspeed.run [--local_rank] SCRIPT.py [script arguments...]"
+
+
 def main(argv: list[str]) -> None:
+    local_rank_argument = bool(argv) and argv[0] == "--local_rank"
+    if local_rank_argument:
+        argv = argv[1:]
+        if "LOCAL_RANK" not in os.environ:
+            raise SystemExit("zerodp.deepspeed.run --local_rank: LOCAL_RANK is not set; launch with torchrun "
+                             "(torchrun --nproc_per_node N -m zerodp.deepspeed.run --local_rank SCRIPT.py ...)")
     if not argv or argv[0].startswith("-"):
-        raise SystemExit("usage: python -m zerodp.deepspeed.run SCRIPT.py [script arguments...]")
+        raise SystemExit(USAGE)
     script = argv[0]
     if not os.path.isfile(script):
         raise SystemExit(f"zerodp.deepspeed.run: no such script: {script}")
     install()
-    sys.argv = list(argv)
+    # DeepSpeed's launcher puts --local_rank before the script's own arguments
+    sys.argv = [script, f"--local_rank={os.environ['LOCAL_RANK']}", *argv[1:]] if local_rank_argument else list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # was this package's directory under -m
     runpy.run_path(script, run_name="__main__")
 

@@ -8,6 +8,7 @@ command. Sizes are tiny so that a case takes seconds on 2 CPU cores.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -15,6 +16,7 @@ HERE = Path(__file__).resolve().parent
 SHIM = HERE / "shim"
 EXPECTED = HERE / "expected_deepspeed.json"
 SEED = 0  # SEED_AT_START for the shim (the CIFAR script never seeds torch)
+TINY_MODEL_KEY = "_tiny_chat_model_sha256"  # in EXPECTED: the weights DeepSpeed-Chat's cases were recorded with
 
 _SDMA_SIZES = ["--vocab_size", "64", "--hidden_size", "32", "--num_layers", "2", "--num_heads", "2",
                "--max_seq_len", "16", "--num_samples", "16", "--train_steps", "4"]
@@ -23,12 +25,18 @@ _SDMA_SIZES = ["--vocab_size", "64", "--hidden_size", "32", "--num_layers", "2",
 class Case(NamedTuple):
     name: str
     script: str           # file in this folder, byte-identical to its source (SOURCES.md)
-    args: tuple           # "{config:NAME}" is replaced by the path of configs()[NAME] written to a temp dir
+    args: tuple           # "{config:NAME}" is replaced by the path of configs()[NAME] written to a temp dir,
+                          # "{model}" by a tiny HF model written there (tiny_chat.py), "{tmp}" by the temp dir
     bf16: bool = False    # compare with bf16's tolerance
     default: bool = True  # in the default suite (False: only with ZERODP_ALL_SCRIPT_STAGES=1)
     reference: str = "deepspeed"  # or "plain": plain PyTorch (test_deepspeed_scripts.plain_sdma_losses)
     loss_abs_tol: Optional[float] = None  # bf16 weights, fp32 losses: first loss bitwise, then this (see below)
     expect_error: str = ""  # the script stops on its own with this line on DeepSpeed 0.19.8 too (see below)
+    path: tuple = ()      # folders (in this one) the script imports from, put on PYTHONPATH after the shim
+    local_rank: bool = False  # pass --local_rank=<n> as DeepSpeed's launcher does (zerodp.deepspeed.run --local_rank)
+    needs: tuple = ()     # packages the script imports beyond torch (skipped, naming them, where missing)
+    env: tuple = ()       # extra (NAME, VALUE) environment entries for the script's ranks
+    compare_with: str = ""  # the recorded DeepSpeed case whose losses zerodp's must equal (default: this one)
 
 
 # DeepSpeed's tests/torch_compile/test_compile.py, 100 steps per rank with its published configs: its loss is
@@ -45,13 +53,33 @@ _COMPILE_TOL = 64.0
 # zerodp, after the same loss. With a GPU the script would pass on DeepSpeed; zerodp refuses GPU-resident states.
 _OFFLOAD_ERROR = "AssertionError: Allocated memory should decrease after offload"
 _OFFLOAD_SIZES = ("--hidden_dim", "64", "--iteration", "4", "--warmup", "1")
+_CIFAR_PATH = ("shim/cifar",)  # the torchvision stand-in; never on the path of a script importing transformers
+# DeepSpeed-Chat's steps 1 (SFT) and 2 (reward model, DPO), with their own dschat package, launched as its
+# scripts expect (`deepspeed main.py`: --local_rank passed), on the tiny OPT of tiny_chat.py and its local-json
+# data path. Their --dtype takes fp16 or bf16 only (DeepSpeed 0.19.8 on CPU refuses fp16); the lr is 1e-3 (the
+# reward model's default 5e-5 would move few bf16 weights in 4 steps); 4 steps of 2 samples per rank.
+# Stage 3 is not collected: its model creation goes through transformers' HfDeepSpeedConfig, which asks the
+# installed package metadata for DeepSpeed (see SOURCES.md). TRANSFORMERS4_NAMES: shim/sitecustomize.py.
+_CHAT_STEPS = {"sft": "step1_supervised_finetuning", "reward": "step2_reward_model_finetuning",
+               "dpo": "step2_dpo_finetuning"}
+_CHAT_ARGS = ("--model_name_or_path", "{model}", "--data_path", "local/jsonfile", "--data_output_path",
+              "{tmp}/data_files", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
+              "--max_seq_len", "16", "--learning_rate", "1e-3", "--dtype", "bf16")
+_CHAT = dict(path=("deepspeed_chat",), local_rank=True, needs=("transformers", "datasets"),
+             env=(("TRANSFORMERS4_NAMES", "1"), ("HF_HUB_OFFLINE", "1")))
+# Stage 0 is compared with DeepSpeed's stage-1 losses: DeepSpeed 0.19.8 without ZeRO wraps a bf16 model's
+# optimizer in its FP16_Optimizer (DDP_BFLOAT16), whose losses leave its own stages 1 and 2 (bitwise equal to each
+# other) from the second step on, within 4 steps by up to 0.014 (SFT's fp32 loss of ~3.6), 2 bf16 ulps (DPO) and
+# 12 (reward model: 0.445 vs 0.402), recorded in expected_deepspeed.json under the stage-0 names. zerodp's stage 0 is bitwise its stages 1 and 2, which are
+# bitwise DeepSpeed's stages 1 and 2 here. (The cause inside DeepSpeed's stage-0 wrapper was not traced.)
+_CHAT_DEFAULT = {("dpo", 2)}  # the default suite's one: two engines (one forward-only), the HF schedule, LoRA-free
 
 
 CASES = [
     *[Case(f"cifar10-fp32-stage{s}", "cifar10_deepspeed.py", ("--epochs", "2", "--dtype", "fp32", "--stage", str(s)),
-           default=s == 3) for s in range(4)],
+           default=s == 3, path=_CIFAR_PATH) for s in range(4)],
     Case("cifar10-bf16-stage2", "cifar10_deepspeed.py", ("--epochs", "2", "--dtype", "bf16", "--stage", "2"),
-         bf16=True, default=False),
+         bf16=True, default=False, path=_CIFAR_PATH),
     Case("sdma-zero3-bf16", "sdma_train_zero3.py", (*_SDMA_SIZES, "--deepspeed_config", "{config:bf16}"), bf16=True),
     Case("sdma-zero3-fp32", "sdma_train_zero3.py", (*_SDMA_SIZES, "--deepspeed_config", "{config:fp32}"),
          default=False),
@@ -64,6 +92,16 @@ CASES = [
     *[Case(f"offload-states-{dtype}", "offload_states.py", (*_OFFLOAD_SIZES, "--dtype", f"torch.{dtype}"),
            bf16=dtype == "bfloat16", expect_error=_OFFLOAD_ERROR, default=dtype == "float32")
       for dtype in ("float32", "bfloat16")],
+    *[Case(f"chat-{step}-bf16-stage{s}", f"deepspeed_chat/training/{_CHAT_STEPS[step]}/main.py",
+           (*_CHAT_ARGS, "--data_split", "10,0,0" if step == "sft" else "0,10,0", "--zero_stage", str(s)),
+           bf16=True, default=(step, s) in _CHAT_DEFAULT, compare_with=f"chat-{step}-bf16-stage1" if s == 0 else "",
+           **_CHAT)
+      for step in _CHAT_STEPS for s in (0, 1, 2)],
+    # LoRA on the decoder layers, only the LoRA weights trained (frozen parameters, deepspeed.compression.helper).
+    # No --output_dir: its save_hf_format calls tokenizer.save_vocabulary, which transformers 5's tokenizers lack.
+    Case("chat-sft-lora-bf16-stage2", f"deepspeed_chat/training/{_CHAT_STEPS['sft']}/main.py",
+         (*_CHAT_ARGS, "--data_split", "10,0,0", "--zero_stage", "2", "--lora_dim", "4", "--only_optimize_lora",
+          "--lora_learning_rate", "1e-2"), bf16=True, default=False, **_CHAT),
 ]
 
 
@@ -84,7 +122,7 @@ def configs() -> dict:
 
 
 def command_args(case: Case, tmp: Path) -> list:
-    """The script path and its arguments, configs written under `tmp`."""
+    """The script path and its arguments, configs (and the tiny model) written under `tmp`."""
     out = [str(HERE / case.script)]
     for arg in case.args:
         if arg.startswith("{config:"):
@@ -92,5 +130,26 @@ def command_args(case: Case, tmp: Path) -> list:
             path = tmp / f"ds_config_{name}.json"
             path.write_text(json.dumps(configs()[name]))
             arg = str(path)
-        out.append(arg)
+        elif arg == "{model}":
+            import tiny_chat
+
+            arg = str(tmp / "tiny_model")
+            tiny_chat.write_model(arg)
+        out.append(arg.replace("{tmp}", str(tmp)))
     return out
+
+
+def tiny_model_digest(case: Case, tmp: Path) -> Optional[str]:
+    """The digest of the tiny model command_args wrote for `case` (None if it takes none)."""
+    if "{model}" not in case.args:
+        return None
+    import tiny_chat
+
+    return tiny_chat.weights_sha256(str(tmp / "tiny_model"))
+
+
+def environment(case: Case, base: dict, tmp: Path, extra_path: list) -> dict:
+    """The ranks' environment: `base`, the shim and the case's folders then `extra_path` on PYTHONPATH, the
+    case's entries, and Hugging Face caches under `tmp` (nothing read from or written to the user's)."""
+    path = [str(SHIM), *(str(HERE / p) for p in case.path), *extra_path]
+    return dict(base, PYTHONPATH=os.pathsep.join(path), HF_HOME=str(tmp / "hf_home"), **dict(case.env))

@@ -54,3 +54,12 @@ if os.environ.get("RECORD_ENGINE") == "deepspeed" and os.environ.get("RANK") is 
         return _init_process_group(backend, *args, **kwargs)
 
     _dist.init_process_group = _init_without_nccl
+
+if os.environ.get("TRANSFORMERS4_NAMES") and os.environ.get("RANK") is not None:
+    # DeepSpeed-Chat was written for transformers 4, which exported no_init_weights from modeling_utils;
+    # transformers 5 (installed here) moved it to transformers.initialization. Re-export it under the old
+    # name (the same function), for real DeepSpeed and zerodp alike.
+    import transformers.initialization
+    import transformers.modeling_utils
+
+    transformers.modeling_utils.no_init_weights = transformers.initialization.no_init_weights
