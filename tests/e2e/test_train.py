@@ -94,8 +94,9 @@ def test_offloaded_bf16_stage3_resume_equals_the_uninterrupted_run(tmp_path):
     nvme.mkdir()
     offload = {"device": "nvme", "nvme_path": str(nvme)}
     config = tmp_path / "offload.json"
-    # persistence threshold and unit size small enough that the tiny GPT (120k parameters) is really sharded
-    # into several units (the defaults of 100k keep all of it whole, and then nothing is offloaded but Adam)
+    # persistence threshold and unit size small enough that the tiny GPT (120k parameters) is sharded into more
+    # units than the offload's default working set (buffer_count 5 shards), so shards are written back to their
+    # files and read again between uses (the defaults of 100k keep it all whole: nothing offloaded but Adam)
     config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
         "stage": 3, "stage3_param_persistence_threshold": 64, "stage3_unit_min_params": 2000,
         "offload_param": offload, "offload_optimizer": offload}}))
