@@ -7,6 +7,10 @@ For zerodp.initialize's engine and for the DeepSpeed adapter (`import zerodp.dee
 steps, save, train 2 more; a fresh engine loads the checkpoint and trains the same 2 steps with bitwise the
 same losses and learning rates. The adapter's `load_lr_scheduler_states=False` keeps the fresh engine's own
 schedule state (DeepSpeed's meaning).
+
+The two other entry points are checked where they run, in their own launches: ZeroTrainer under torchrun
+(tests/hf/test_zero_trainer.py, test_resume_of_an_offloaded_bf16_stage3_run_equals_the_uninterrupted_run) and
+`zerodp train --resume` (tests/e2e/test_train.py, test_offloaded_bf16_stage3_resume_equals_the_uninterrupted_run).
 """
 
 from __future__ import annotations

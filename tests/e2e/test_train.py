@@ -81,3 +81,44 @@ def test_runs_under_torchrun_without_launching_again(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("zerodp train summary: stage 1, 2 rank(s)") == 1  # rank 0 only, one world of 2
     assert [r["step"] for r in metric_steps(out)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(240)
+def test_offloaded_bf16_stage3_resume_equals_the_uninterrupted_run(tmp_path):
+    """Issue 23: `zerodp train` saves and loads through the engine, checked on the hardest case: bf16, stage 3,
+    both offloads on nvme given as a user writes them (device and nvme_path only), through --config. A run of 4
+    steps saves at step 2 (--save-every 2) and at its end; a fresh launch resumes from global_step2 into another
+    folder. Steps 3-4 must be the uninterrupted run's bitwise, and so must the final checkpoint's shard files
+    (fp32 masters, Adam moments, loss scale, RNG states): a state dropped by the offloaded save or load shows."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    offload = {"device": "nvme", "nvme_path": str(nvme)}
+    config = tmp_path / "offload.json"
+    # persistence threshold and unit size small enough that the tiny GPT (120k parameters) is sharded into more
+    # units than the offload's default working set (buffer_count 5 shards), so shards are written back to their
+    # files and read again between uses (the defaults of 100k keep it all whole: nothing offloaded but Adam)
+    config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 64, "stage3_unit_min_params": 2000,
+        "offload_param": offload, "offload_optimizer": offload}}))
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    zerodp("train", *TINY, "--config", str(config), "--nproc", "2", "--steps", "4", "--save-every", "2",
+           "--out", str(whole))
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["run"]["precision"] == "bf16" and summary["run"]["stage"] == 3
+    for r in summary["ranks"]:  # both offloads in effect: per owned element, Adam's 2 fp32 moments and the
+        # bf16 parameter shard live in the nvme files, and no unit stays whole in memory
+        assert r["disk_bytes"] >= (8 + 2) * r["owned_numel"] > 0, r
+        assert r["persistent_param_bytes"] == 0, r
+    proc = zerodp("train", "--resume", str(whole / "checkpoints"), "--tag", "global_step2", "--out", str(resumed))
+    assert "resumed at step 2" in proc.stdout, proc.stdout
+    keys = ("step", "loss", "lr", "grad_norm", "loss_scale")
+    uninterrupted = [{k: r[k] for k in keys} for r in metric_steps(whole)]
+    assert [r["step"] for r in uninterrupted] == [1, 2, 3, 4]
+    # step 3 runs on the parameters loaded at the resume point: its loss and gradient norm are theirs
+    assert [{k: r[k] for k in keys} for r in metric_steps(resumed)] == uninterrupted[2:]  # bitwise
+    tag = "checkpoints/global_step4"
+    files = sorted(p.name for p in (whole / tag).iterdir() if p.suffix == ".safetensors" or p.name.startswith("rng"))
+    assert len(files) == 5, files  # 2 shard files, the model-state file, 2 RNG files
+    for name in files:
+        assert (whole / tag / name).read_bytes() == (resumed / tag / name).read_bytes(), name
+    assert not any(nvme.iterdir()), "engine.close() left offload files behind"

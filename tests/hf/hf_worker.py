@@ -5,6 +5,9 @@
         at stages 2 and 3 on the same arguments and seed; writes OUT/results.json (rank 0)
     python -m torch.distributed.run --nproc_per_node 3 tests/hf/hf_worker.py resume OUT
         resumes the stage-3 run from OUT/stage3/checkpoint-3 on 3 ranks; writes OUT/resume.json
+    python -m torch.distributed.run --nproc_per_node 2 tests/hf/hf_worker.py resume_offload OUT
+        resumes the offloaded bf16 stage-3 run (`train` wrote it, see `offloaded`) from OUT/offload/checkpoint-3
+        on the same 2 ranks; writes OUT/resume_offload.json
 """
 
 import json
@@ -64,6 +67,7 @@ def train(out: str) -> None:
                 results[f"stage{stage}_logits_maxdiff"] = (loaded(probe).logits - live).abs().max().item()
         dist.barrier()
     results.update(hf_template(out, data))
+    results.update(offloaded(out, data))
     if dist.get_rank() == 0:
         with open(f"{out}/results.json", "w") as fh:
             json.dump(results, fh)
@@ -102,6 +106,41 @@ def hf_template(out: str, data) -> dict:
             "two_schedulers": refusal}
 
 
+def offload_config(nvme: str) -> dict:
+    """Stage 3 in bf16 with both offloads on nvme. max_in_cpu 0: no parameter shard stays cached beyond the
+    ones in use, so each goes through its file between uses (unset, the tiny model's 3 units would all fit in
+    the default working set of buffer_count shards and no shard would ever be written back)."""
+    os.makedirs(nvme, exist_ok=True)
+    config = zero_config(3)
+    config["zero_optimization"].update(offload_param={"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0},
+                                       offload_optimizer={"device": "nvme", "nvme_path": nvme})
+    return config
+
+
+def offload_arguments(output_dir: str):
+    # bf16 here fills the config's bf16.enabled "auto"; no evaluation: the resume is what this run checks
+    return arguments(output_dir, bf16=True, eval_strategy="no")
+
+
+def offloaded(out: str, data) -> dict:
+    """The uninterrupted offloaded run: 6 steps, checkpoint-3 and checkpoint-6 (save_steps 3); with what shows
+    that the run was offloaded bf16 (the compute dtype, the bytes in the nvme files, per rank)."""
+    trainer = ZeroTrainer(model=make_model(), args=offload_arguments(f"{out}/offload"), train_dataset=data,
+                          zero_config=offload_config(f"{out}/nvme-train"))
+    trainer.train()
+    report = trainer.engine.memory_report()
+    evidence = comm_gather({"disk_bytes": report.disk_bytes, "owned_numel": report.owned_numel,
+                            "param_dtype": str(next(trainer.model.parameters()).dtype)})
+    trainer.engine.close()  # its nvme files go; the resume is another launch
+    return {"offload": history(trainer), "offload_ranks": evidence}
+
+
+def comm_gather(obj) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 class FirstStepProbe(TrainerCallback):
     """Records the full parameters at the first step after the resume (collective: every rank calls it)."""
 
@@ -133,7 +172,25 @@ def resume(out: str) -> None:
                        "resume_param_maxdiff": diff, "checkpoint_moved": moved, **history(trainer)}, fh)
 
 
+def resume_offload(out: str) -> None:
+    """A fresh launch resumes the offloaded run from checkpoint-3 (same world, same arguments)."""
+    from safetensors.torch import load_file
+
+    checkpoint = f"{out}/offload/checkpoint-{SAVE_STEPS}"
+    trainer = ZeroTrainer(model=make_model(), args=offload_arguments(f"{out}/resumed-offload"),
+                          train_dataset=Sequences(), zero_config=offload_config(f"{out}/nvme-resume"))
+    probe = FirstStepProbe(trainer)
+    trainer.add_callback(probe)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if dist.get_rank() == 0:
+        saved = load_file(f"{checkpoint}/model.safetensors")
+        diff = max((probe.params[k].float() - v.float()).abs().max().item() for k, v in saved.items())
+        with open(f"{out}/resume_offload.json", "w") as fh:
+            json.dump({"global_step": trainer.state.global_step, "resume_param_maxdiff": diff,
+                       "compared": len(saved), **history(trainer)}, fh)
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)
-    {"train": train, "resume": resume}[mode](out)
+    {"train": train, "resume": resume, "resume_offload": resume_offload}[mode](out)

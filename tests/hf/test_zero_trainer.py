@@ -82,3 +82,26 @@ def test_resume_from_checkpoint_on_three_ranks(runs):
     assert resumed["lr"] == pytest.approx(two_ranks["lr"], rel=1e-12)  # the scheduler resumed at step 3
     # steps 4-6 see 3 ranks' batches, so they differ from the 2-rank run but keep training from its state
     assert all(abs(a - b) < 0.05 for a, b in zip(resumed["loss"][3:], two_ranks["loss"][3:]))
+
+
+def test_resume_of_an_offloaded_bf16_stage3_run_equals_the_uninterrupted_run(runs):
+    """Issue 23: ZeroTrainer saves and loads through the engine, checked on the hardest case: bf16 (the
+    arguments' bf16 fills the config's "auto"), stage 3, both offloads on nvme, parameter shards cached for
+    no longer than they are used (max_in_cpu 0, hf_worker.offload_config). `train` ran 6 steps with save_steps 3; a fresh torchrun on the same 2 ranks resumes
+    from checkpoint-3. The resumed steps 4-6 are the uninterrupted run's bitwise (losses, grad norms, lrs): same
+    ranks, same batches (the Trainer skips the ones already seen), same arithmetic; and the fp32 masters at the
+    first resumed step are checkpoint-3's consolidated model exactly."""
+    out, results = runs
+    whole = results["offload"]
+    assert whole["steps"] == [1, 2, 3, 4, 5, 6] and whole["loss"][-1] < whole["loss"][0]  # it trained
+    for rank in results["offload_ranks"]:
+        assert rank["param_dtype"] == "torch.bfloat16", rank
+        # both offloads on disk: Adam's 2 fp32 moments of every owned element (8 B each), and more: the bf16
+        # parameter shards (all but the few elements of parameters under the persistence threshold, kept whole)
+        assert rank["disk_bytes"] > 8 * rank["owned_numel"] > 0, rank
+    torchrun(2, "resume_offload", out)
+    resumed = json.loads((out / "resume_offload.json").read_text())
+    assert resumed["global_step"] == 6 and resumed["steps"] == whole["steps"]
+    for key in ("loss", "grad_norm", "lr"):  # steps 1-3 came with the checkpoint's history; 4-6 were trained
+        assert resumed[key] == whole[key], key
+    assert resumed["compared"] > 0 and resumed["resume_param_maxdiff"] == 0.0
