@@ -1,7 +1,9 @@
 """Every entry point saves and loads through the engine (`ZeroEngine.save_checkpoint` / `load_checkpoint`), so
 each gets what the engine does around a checkpoint (shards written outside the optimizer synced, kept units
 released, counters, scaler, schedule and RNG applied by the engine). Checked on the hardest case: bf16, stage 3,
-both offloads on nvme with a user's sections (device and nvme_path only), a WarmupLR schedule, 2 ranks.
+both offloads on nvme with a user's sections (device and nvme_path) plus `max_in_cpu: 0` (with the
+default, this small model's shards all fit in the gathers' working set and would never leave memory, so the
+files would go untested), a WarmupLR schedule, 2 ranks.
 
 For zerodp.initialize's engine and for the DeepSpeed adapter (`import zerodp.deepspeed as deepspeed`): train 2
 steps, save, train 2 more; a fresh engine loads the checkpoint and trains the same 2 steps with bitwise the
@@ -31,7 +33,8 @@ def _config(nvme: str) -> dict:
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                          "warmup_num_steps": 4}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 30, "stage3_unit_min_params": 200,
-                                  "offload_param": dict(offload), "offload_optimizer": dict(offload)}}
+                                  "offload_param": {**offload, "max_in_cpu": 0},  # 0: every shard goes to its file
+                                  "offload_optimizer": dict(offload)}}
 
 
 def _build(kind: str, nvme: str):
