@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.errors import PartitionedParameterError
 from zerodp.stage3 import PartitionedParameter
 
 CFG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
@@ -20,6 +21,8 @@ def init_context_write_case():
     with zerodp.init_context(CFG):
         lin = torch.nn.Linear(5, 3)  # 15 and 3 elements: neither a multiple of the world size
     built_partitioned = isinstance(lin.weight, PartitionedParameter) and isinstance(lin.bias, PartitionedParameter)
+    keys = lin.state_dict()  # before the engine: names, shapes and dtypes, no values (meta tensors)
+    state_dict_meta = all(t.is_meta for t in keys.values()) and keys["weight"].shape == (3, 5)
     written = torch.arange(15.0).view(3, 5), torch.full((3,), 7.0)
     with zerodp.gathered_parameters(lin.parameters(), modifier_rank=0), torch.no_grad():
         if rank == 0:
@@ -34,8 +37,13 @@ def init_context_write_case():
     engine = zerodp.initialize(lin, torch.optim.SGD(lin.parameters(), lr=0.0), CFG)
     with zerodp.gathered_parameters(lin.parameters()):
         in_engine = lin.weight.detach().clone(), lin.bias.detach().clone()
+    try:  # in the engine, a partitioned parameter's detach is refused again (its values exist, sharded)
+        lin.weight.detach()
+        refused_in_engine = False
+    except PartitionedParameterError:
+        refused_in_engine = True
     del engine
-    return built_partitioned, partitioned_again, seen, in_engine, written
+    return built_partitioned and state_dict_meta, partitioned_again and refused_in_engine, seen, in_engine, written
 
 
 @pytest.mark.parametrize("world", [2])
@@ -90,11 +98,9 @@ def hf_zero3_from_pretrained_case(folder):
     return partitioned, loaded, {n: p.detach() for n, p in whole.named_parameters()}
 
 
-# Known gap: transformers' loader calls `model.state_dict()` (for the key names) on the partitioned model,
-# whose `param.detach()` zerodp refuses outside a gather (DeepSpeed returns its empty placeholder). The
-# DeepSpeed-Chat stage-3 case passes only because its tiny model's parameters are all under the config's
-# stage3_param_persistence_threshold (1e4), so none is partitioned. Strict: this fails once that is fixed.
-@pytest.mark.xfail(strict=True, reason="state_dict() of a model built partitioned, before its engine, is refused")
+# Partitioned for real (threshold 0), unlike the DeepSpeed-Chat stage-3 case, whose tiny model's parameters
+# are all under its config's stage3_param_persistence_threshold (1e4). transformers' loader also calls
+# `model.state_dict()` for the key names on the partitioned model: meta tensors before the engine.
 @pytest.mark.parametrize("world", [2])
 def test_transformers_zero3_from_pretrained_loads_every_weight(dist_run, world, tmp_path):
     pytest.importorskip("transformers")

@@ -68,7 +68,9 @@ Where zerodp differs from DeepSpeed on purpose (the engine's differences are in 
   - transformers' `HfDeepSpeedConfig` asks `importlib.metadata` for the `deepspeed` distribution: under
     `zerodp.deepspeed.run`'s alias (alias.py) zerodp answers as DeepSpeed 0.19.8, so a script creating one
     (DeepSpeed-Chat at stage 3) builds its model under `zero.Init` and loads the checkpoint through
-    `GatheredParameters` (rank 0 writes, every rank keeps its slice), as with DeepSpeed. A script that
+    `GatheredParameters` (rank 0 writes, every rank keeps its slice), as with DeepSpeed; the model's
+    `state_dict()` before `initialize` holds meta tensors (names, shapes, dtypes) where DeepSpeed's holds
+    empty placeholders. A script that
     imports `zerodp.deepspeed` itself is not such an alias: there transformers finds no DeepSpeed, and the
     model is built whole and partitioned in `initialize`, with the same weights (see `zero.Init` above).
   - `runtime.zero.partition_parameters.zero_wrapper_for_fp_tensor_constructor` exists (transformers swaps

@@ -63,7 +63,7 @@ _CIFAR_PATH = ("shim/cifar",)  # the torchvision stand-in; never on the path of 
 # as the `deepspeed` distribution HfDeepSpeedConfig asks for). SFT at stage 3 is collected (DeepSpeed's losses
 # are those of its stages 1-2, and zerodp's bitwise those); the tiny model's parameters are all under the
 # scripts' stage3_param_persistence_threshold (1e4), so none is partitioned while loading (a partitioned load
-# is a known gap: tests/dist/test_zero3_model_loading.py). Not the other two: DeepSpeed 0.19.8 stops the
+# is tested in tests/dist/test_zero3_model_loading.py). Not the other two: DeepSpeed 0.19.8 stops the
 # reward model in its stage-3 optimizer ("assert len(set(t.dtype for t in tensors)) == 1": the value head,
 # made outside zero.Init, stays fp32 among bf16 parameters), so there is nothing to compare with; DPO's
 # reference model is a forward-only engine, which zerodp refuses at stage 3 (forward_engine.py; DeepSpeed's
