@@ -176,3 +176,58 @@ def test_see_memory_usage_logs_only_when_forced(caplog):
         logger.propagate = False
     assert "not forced" not in caplog.text
     assert "after init" in caplog.text and "Max_MA" in caplog.text and "CPU Virtual Memory" in caplog.text
+
+
+def test_alias_presents_zerodp_as_the_deepspeed_distribution(alias):
+    import importlib.metadata as metadata
+
+    assert metadata.version("deepspeed") == alias.DEEPSPEED_VERSION == "0.19.8"
+    assert metadata.metadata("DeepSpeed")["Name"] == "deepspeed"  # names compare normalized
+    assert metadata.distribution("deepspeed").read_text("top_level.txt") == "deepspeed\n"
+    assert "deepspeed" in [d.metadata["Name"] for d in metadata.distributions()]
+    with pytest.raises(metadata.PackageNotFoundError):  # other names are not answered by the alias
+        metadata.distribution("deepspeed-nonexistent")
+    alias.install()  # idempotent: one finder
+    assert sum(isinstance(f, alias._AliasDistributionFinder) for f in sys.meta_path) == 1
+    transformers_deepspeed = pytest.importorskip("transformers.integrations.deepspeed")
+    from transformers.dependency_versions_check import dep_version_check
+
+    dep_version_check("deepspeed")  # what HfDeepSpeedConfig checks first ("deepspeed>=0.9.3")
+    assert transformers_deepspeed.is_deepspeed_available()
+
+
+def test_plain_import_presents_no_deepspeed_distribution():
+    import importlib.metadata as metadata
+    import importlib.util
+
+    import zerodp.deepspeed  # noqa: F401
+    from zerodp.deepspeed import alias as alias_mod
+
+    assert not any(isinstance(f, alias_mod._AliasDistributionFinder) for f in sys.meta_path)
+    if importlib.util.find_spec("deepspeed") is None:  # no real DeepSpeed installed here
+        with pytest.raises(metadata.PackageNotFoundError):
+            metadata.version("deepspeed")
+
+
+def test_constructor_wrapper_names_exist_for_transformers_but_wrap_nothing(alias):
+    from zerodp.deepspeed.runtime.zero import partition_parameters as pp
+
+    assert pp._orig_torch_arange is torch.arange
+    with pytest.raises(NotImplementedError, match="does not wrap torch's tensor constructors"):
+        pp.zero_wrapper_for_fp_tensor_constructor(torch.zeros)
+    transformers_deepspeed = pytest.importorskip("transformers.integrations.deepspeed")
+    ours = pp.zero_wrapper_for_fp_tensor_constructor
+    with transformers_deepspeed.prevent_arange_dtype_change():  # entered around every ZeRO-3 from_pretrained
+        assert pp.zero_wrapper_for_fp_tensor_constructor is not ours  # swapped by transformers
+        assert torch.arange(3, dtype=torch.float64).dtype == torch.float64  # constructors untouched
+    assert pp.zero_wrapper_for_fp_tensor_constructor is ours  # restored on exit
+
+
+def test_gathered_parameters_skips_none_entries_as_deepspeed_does():
+    from zerodp.deepspeed.zero import GatheredParameters
+
+    lin = torch.nn.Linear(2, 2, bias=False)
+    ctx = GatheredParameters([lin.weight, lin.bias], modifier_rank=None)  # a head without a bias
+    assert ctx.params == [lin.weight]
+    with ctx:
+        assert lin.weight.sum().isfinite()

@@ -65,10 +65,16 @@ Where zerodp differs from DeepSpeed on purpose (the engine's differences are in 
   - `initialize` without an optimizer (no argument, no config section) returns a forward-only engine
     (forward_engine.py): the module in the compute dtype, as DeepSpeed's; at stage 3 it is refused
     (DeepSpeed partitions such a model for inference), and so are its `backward`/`step`.
-  - transformers' `HfDeepSpeedConfig` needs the `deepspeed` distribution (it asks `importlib.metadata`),
-    which zerodp does not pretend to be: a script that creates one (DeepSpeed-Chat at stage 3) stops in
-    transformers saying that distribution was not found. Without it, the model is built whole and
-    zerodp partitions it in `initialize`, with the same weights (see `zero.Init` above).
+  - transformers' `HfDeepSpeedConfig` asks `importlib.metadata` for the `deepspeed` distribution: under
+    `zerodp.deepspeed.run`'s alias (alias.py) zerodp answers as DeepSpeed 0.19.8, so a script creating one
+    (DeepSpeed-Chat at stage 3) builds its model under `zero.Init` and loads the checkpoint through
+    `GatheredParameters` (rank 0 writes, every rank keeps its slice), as with DeepSpeed; the model's
+    `state_dict()` before `initialize` holds meta tensors (names, shapes, dtypes) where DeepSpeed's holds
+    empty placeholders. A script that
+    imports `zerodp.deepspeed` itself is not such an alias: there transformers finds no DeepSpeed, and the
+    model is built whole and partitioned in `initialize`, with the same weights (see `zero.Init` above).
+  - `runtime.zero.partition_parameters.zero_wrapper_for_fp_tensor_constructor` exists (transformers swaps
+    it around `from_pretrained`) but zerodp's `zero.Init` wraps no torch constructor, so never calls it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Optional
 
+import torch
+
 from ..config import ConfigError, load_config
 from ..stage3 import gathered_parameters, init_context
 
@@ -64,9 +66,14 @@ class Init(_Switchable):
 
 
 class GatheredParameters(_Switchable):
-    """Gather partitioned parameters for the block; writes on `modifier_rank` reach every rank after it."""
+    """Gather partitioned parameters for the block; writes on `modifier_rank` reach every rank after it.
+
+    `None` entries are skipped, as DeepSpeed skips them (transformers passes `[head.weight, head.bias]` for
+    a head without a bias)."""
 
     def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module=None, enabled: bool = True) -> None:
+        if params is not None and not isinstance(params, torch.Tensor):
+            params = [p for p in params if p is not None]
         self.params, self.modifier_rank, self.enabled = params, modifier_rank, enabled
         self._ctx = None
 

@@ -16,6 +16,11 @@ Without `modifier_rank`, the block is read-only: writes to sharded parameters ar
 the storage is released. If the block raises, no collective runs on exit (the other ranks may not
 be there) and the values are not written back.
 
+Parameters built under `init_context` and not yet given to an engine are gathered too (each whole, by
+its init context), and on exit every rank keeps its slice of `modifier_rank`'s values (or of its own
+without one): this is how transformers initializes a model made under DeepSpeed's `zero.Init` and loads
+a checkpoint into it, before the engine exists.
+
 Autograd: a tensor computed inside the block may enter the loss. Tensors that autograd saves from
 the gathered storage are marked (saved-tensor hooks), and when backward needs one again the unit
 is gathered on the spot and kept until that backward ends (the strategy's finish_micro_step).
@@ -40,13 +45,15 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
     """Gather `params` (a parameter or an iterable of them) for the block; see the module docstring."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     flats, whole, context = [], [], {}  # context: id(flat) -> the strategy it belongs to
+    built = {}  # id(init context) -> (it, its records of `params`): built under init_context, no engine yet
     for p in params:
         flat = owner_of(p)
         if flat is None:
             whole.append(p)
         elif not isinstance(flat, FlatUnit):
-            raise PartitionedParameterError("gathered_parameters: a parameter created under zerodp.init_context "
-                                            "is gathered by its engine; call zerodp.initialize(model, ...) first")
+            ctx, records = built.setdefault(id(context_of(p)), (context_of(p), []))
+            if flat not in records:
+                records.append(flat)
         elif id(flat) not in context:
             context[id(flat)] = context_of(p)
             flats.append(flat)
@@ -55,6 +62,8 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
         # Units kept gathered between inference forwards (inference_cache.py) are released first, so
         # that a write in a read-only block is discarded on exit, as documented, instead of living on.
         strategy.release_kept_units()
+    for ctx, records in built.values():
+        ctx.gather_for_block(records)
     for f in flats:
         f.acquire(wait=False)
     for f in flats:
@@ -88,6 +97,9 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
                     comm.broadcast(p.data, modifier_rank, group, tag="param")
         for f in flats:
             f.release()
+        if finished:  # a collective (the broadcast of modifier_rank's values): skipped if the block raised
+            for ctx, records in built.values():
+                ctx.release_after_block(records, modifier_rank)
 
 
 class _SavedView:

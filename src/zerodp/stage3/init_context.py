@@ -92,9 +92,15 @@ class _InitShard:
         set_partitioned([self.param], [self.cls])
         self.whole = True
 
-    def partition(self) -> None:
-        """Keep rank 0's values (random initializers may differ per rank) and release the rest."""
-        comm.broadcast(self.full, 0, self.ctx.group, tag="param")
+    def partition(self, src: Optional[int] = 0) -> None:
+        """Keep rank `src`'s values (random initializers may differ per rank) and release the rest;
+        `src=None`: keep this rank's slice as it was (a read-only gather, nothing written back)."""
+        if src is None:
+            set_partitioned([self.param], None)
+            free_storage(self.full)
+            self.whole = False
+            return
+        comm.broadcast(self.full, src, self.ctx.group, tag="param")
         lo = self.ctx.rank * self.shard.numel()
         with self._resident(dirty=True):
             self.shard.copy_(self.full[lo:lo + self.shard.numel()])
@@ -169,6 +175,20 @@ class _InitContext:
             if not s.whole:
                 s.gather()
                 self._whole.append(s)
+
+    def gather_for_block(self, shards: list[_InitShard]) -> None:
+        """`gathered_parameters` over parameters built here and not yet in an engine (transformers
+        initializes and loads a checkpoint into them that way after the block, as for DeepSpeed's
+        zero.Init): gather `shards` whole, partitioning again whatever else was whole."""
+        self.make_whole(shards)
+
+    def release_after_block(self, shards: list[_InitShard], modifier_rank: Optional[int]) -> None:
+        """End of that block: every rank keeps its slice of `modifier_rank`'s values (None: of its own,
+        the block's writes discarded, as gathered_parameters documents)."""
+        for s in shards:
+            if s.whole:
+                s.partition(modifier_rank)
+        self._whole = [s for s in self._whole if s not in shards]
 
     def handed_over(self, shard: _InitShard) -> None:
         """The engine took `shard`'s values into a flat unit: drop the slice (and, after the last, the files)."""

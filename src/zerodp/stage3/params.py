@@ -11,7 +11,9 @@ storage object, so backward reads the gathered values through them.
 While its unit is sharded, a parameter's class is switched to `PartitionedParameter`, whose
 `__torch_function__` lets metadata through (shape, dtype, requires_grad, .grad, hooks) and turns
 any use of the values into a `PartitionedParameterError` that names `zerodp.gathered_parameters`,
-instead of torch's "storage of size 0" error or, worse, a silent wrong value. The one exception is
+instead of torch's "storage of size 0" error or, worse, a silent wrong value (before any engine holds
+an init_context parameter, `detach()` gives a meta tensor of its shape instead: `Module.state_dict()`'s
+key names, which transformers reads while loading a checkpoint). The one exception is
 a read during some module's forward (a parent calling `F.linear(h, self.embed.weight)` where
 `embed` is a unit of its own): the running unit then gathers the owner on the spot and keeps it in
 its own gather set from then on (see [Note: external parameters] in module_unit.py). While gathered, the
@@ -108,6 +110,11 @@ class PartitionedParameter(nn.Parameter):
                 return func(*args, **kwargs)
         if _is_no_op(func, args, kwargs):  # model.to(dtype) where the dtype is already right
             return args[0]
+        if func is _Tensor.detach and _built_before_engine(args[0]):
+            # Module.state_dict() detaches every parameter; transformers calls it for the key names while
+            # loading a checkpoint into a model built under zero.Init. A meta tensor keeps the shape and
+            # dtype and refuses any read of values (DeepSpeed hands out its empty placeholder instead).
+            return torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
         partitioned = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, PartitionedParameter)]
         owners = [owner_of(p) for p in partitioned]
         for p, owner in zip(partitioned, owners):
@@ -128,6 +135,11 @@ def _is_no_op(func, args, kwargs) -> bool:
     device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
     return ((device is None or torch.device(device) == p.device) and (dtype is None or dtype == p.dtype)
             and memory_format in (None, torch.preserve_format))
+
+
+def _built_before_engine(param: torch.Tensor) -> bool:
+    """A parameter built under init_context whose values no engine holds yet (init_context's record)."""
+    return getattr(owner_of(param), "ctx", None) is not None
 
 
 def _message(param: torch.Tensor, unit: Any, func) -> str:

@@ -58,8 +58,28 @@ if os.environ.get("RECORD_ENGINE") == "deepspeed" and os.environ.get("RANK") is 
 if os.environ.get("TRANSFORMERS4_NAMES") and os.environ.get("RANK") is not None:
     # DeepSpeed-Chat was written for transformers 4, which exported no_init_weights from modeling_utils;
     # transformers 5 (installed here) moved it to transformers.initialization. Re-export it under the old
-    # name (the same function), for real DeepSpeed and zerodp alike.
-    import transformers.initialization
-    import transformers.modeling_utils
+    # name (the same function), for real DeepSpeed and zerodp alike. Done when the script first imports
+    # transformers.modeling_utils, not here: importing transformers at interpreter start would evaluate
+    # transformers.integrations.deepspeed (which asks whether DeepSpeed is installed) before
+    # zerodp.deepspeed.run has installed its `deepspeed` alias, unlike a run without this shim.
+    import importlib.abc
+    import importlib.machinery
+    import sys
 
-    transformers.modeling_utils.no_init_weights = transformers.initialization.no_init_weights
+    class _ReexportNoInitWeights(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != "transformers.modeling_utils":
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            exec_module = spec.loader.exec_module
+
+            def exec_and_reexport(module):
+                exec_module(module)
+                import transformers.initialization
+
+                module.no_init_weights = transformers.initialization.no_init_weights
+
+            spec.loader.exec_module = exec_and_reexport
+            return spec
+
+    sys.meta_path.insert(0, _ReexportNoInitWeights())
