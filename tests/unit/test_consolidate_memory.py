@@ -1,9 +1,12 @@
 """Streaming consolidation holds one piece of a tensor, not the model: peak RSS of the export, as the
 kernel counts it (VmHWM reset just before the call, no malloc_trim), in a fresh process.
 
-The model (96 MiB fp32, its largest tensor 32 MiB) is exported with 4 MiB pieces: the growth must stay
-under one piece plus a fixed 12 MiB (readers, headers, the allocator's slack; measured ~3 MiB above the
-piece, bench/results/consolidate_rss.md), far below the largest tensor, let alone the model.
+The model (128 MiB fp32, its largest tensor 64 MiB) is exported with 4 MiB pieces: the growth must stay
+under one piece plus a fixed 24 MiB, well below the largest tensor, let alone the model. The fixed part is
+readers, headers and the allocator's slack, and mostly the checkpoint file's pages the reader has touched
+through its memory map, which the kernel counts in RSS until the reader closes the file: measured 3-13 MiB
+above the piece across runs (bench/results/consolidate_rss.md; 13 MiB once on a fresh clone, past the
+12 MiB this test first allowed, which is why the largest tensor is now 64 MiB and the allowance 24).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import zerodp
 
 MiB = 2**20
 PIECE_BYTES = 4 * MiB
-SLACK_BYTES = 12 * MiB
+SLACK_BYTES = 24 * MiB
 
 PROBE = """
 import json, sys
@@ -42,9 +45,9 @@ print(json.dumps({"before": before, "peak": status("VmHWM")}))
 
 def test_export_peak_rss_is_one_piece_not_the_model(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(8192, 1024), *[nn.Linear(1024, 1024, bias=False) for _ in range(16)])
+    model = nn.Sequential(nn.Embedding(16384, 1024), *[nn.Linear(1024, 1024, bias=False) for _ in range(16)])
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
-    largest_bytes = 8192 * 1024 * 4
+    largest_bytes = 16384 * 1024 * 4
     engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}})
     engine.save_checkpoint(tmp_path / "ckpt")
