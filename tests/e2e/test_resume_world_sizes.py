@@ -23,6 +23,7 @@ def train(out, nproc: int, steps: int, resume=None) -> list[float]:
     return [r["loss"] for r in metric_steps(out)]
 
 
+@pytest.mark.slow  # `make test-slow`: kept out of `make test` for its 15-minute budget
 @pytest.mark.timeout(600)
 def test_resume_at_another_world_size_continues_the_same_run(tmp_path):
     train(tmp_path / "two", 2, 3)

@@ -83,6 +83,7 @@ def test_runs_under_torchrun_without_launching_again(tmp_path):
     assert [r["step"] for r in metric_steps(out)] == [1, 2, 3]
 
 
+@pytest.mark.slow  # `make test-slow`: kept out of `make test` for its 15-minute budget
 @pytest.mark.timeout(240)
 def test_offloaded_bf16_stage3_resume_equals_the_uninterrupted_run(tmp_path):
     """Issue 23: `zerodp train` saves and loads through the engine, checked on the hardest case: bf16, stage 3,
