@@ -72,4 +72,4 @@ clean:
 # not part of `make test`. NVME must be a directory on a fast local disk with ~50 GB free (24.6 GB per rank).
 NVME ?= /tmp
 bench-offload: setup
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 -m bench.harness.big_offload --nvme-path $(NVME) --size 3b --steps 3
+	THP_MEM_ALLOC_ENABLE=1 OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 -m bench.harness.big_offload --nvme-path $(NVME) --size 3b --steps 3

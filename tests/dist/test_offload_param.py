@@ -167,3 +167,52 @@ def test_init_context_creates_shards_in_their_offloaded_home(dist_run, tmp_path,
         for name, value in plain_params.items():
             assert torch.equal(r["params"][name], value), f"rank {rank}: {name} differs"
     assert list(tmp_path.iterdir()) == []
+
+
+BIG_CLIP = 1e-3  # far below a fresh model's gradient norm: every step clips
+
+
+def wide_unit_run(nvme_dir: str, max_in_cpu: int | None) -> dict:
+    """Stage 3 fp32 with clipping, and a unit whose gradient shard spans two optimizer windows; with offload
+    (max_in_cpu not None) its shard stays cached between them, or with max_in_cpu 0 is evicted to its file
+    and read again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 600),
+                                torch.nn.Tanh(), torch.nn.Linear(600, 4))
+    zero = {"stage": 3, "sub_group_size": 1 << 18, "stage3_param_persistence_threshold": 0}
+    if max_in_cpu is not None:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 2}
+        zero["offload_param"] = param_section(nvme_dir, max_in_cpu, 2)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": BIG_CLIP, "zero_optimization": zero}
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    losses, norms = [], []
+    for _ in range(3):
+        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.grad_norm)
+    facts = {"grad_offloaded": [u.grad_offloaded for u in engine.units],
+             "widest_shard": max(u.grad_shard.numel() for u in engine.units),
+             "chunk_numel": engine.optimizer.chunk_numel}
+    params = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return {"losses": losses, "norms": norms, "params": params, "facts": facts}
+
+
+@pytest.mark.parametrize("max_in_cpu", [0, 10**9])
+def test_clipping_an_offloaded_gradient_shard_that_spans_optimizer_windows(dist_run, tmp_path, max_in_cpu):
+    """The step clips an offloaded gradient shard in place, chunk by chunk, in the window that steps each
+    chunk: a shard spanning windows, whether it stays cached between them or is evicted and read back, is
+    scaled exactly once (bitwise the run without offload, whose clipping scales every gradient once)."""
+    results = dist_run(2, wide_unit_run, str(tmp_path), max_in_cpu)
+    plain = dist_run(2, wide_unit_run, str(tmp_path), None)
+    for rank, (r, p) in enumerate(zip(results, plain)):
+        assert any(r["facts"]["grad_offloaded"]) and not any(p["facts"]["grad_offloaded"])
+        assert r["facts"]["widest_shard"] > r["facts"]["chunk_numel"], "no gradient shard spans two windows"
+        assert min(p["norms"]) > 10 * BIG_CLIP, "clipping did not scale every step"
+        assert r["losses"] == p["losses"], f"rank {rank}: losses differ with offloaded gradient shards"
+        for name, value in p["params"].items():
+            assert torch.equal(r["params"][name], value), f"rank {rank}: {name} differs with offload"

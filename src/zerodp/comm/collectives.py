@@ -17,10 +17,11 @@ Backend choices:
   On gloo (2 ranks or more) `all_gather` is a pairwise exchange too (pairwise.py): gloo's own copies
   the input into a staging buffer and the result out of one, which on the 2-core machine cost about
   0.1 s of CPU per step and rank at stage 3 on the benchmark GPT (perf, all threads).
-- gloo's all-gather slows down for large messages (2 ranks, one thread each: 12 MiB at 1.6 GB/s,
-  32 MiB at 0.74 GB/s; 16 and 24 MiB as fast as 12), so `all_gather` sends large gloo buffers as
-  messages of at most 24 MiB. The split path blocks, so the limit sits above the benchmark GPT's
-  units (a block is 12.02 MiB, an embedding 16 MiB): their gathers stay asynchronous and prefetch.
+- The pairwise all-gather takes any size as one asynchronous exchange: 2 ranks, one thread each, it
+  moved 4-6 GB/s of output from 8 MiB to 640 MiB, where gloo's own all-gather, sent as 24 MiB messages
+  through a staging buffer (it slows down above that size), moved 0.9-2.4 GB/s and blocked. A 3e9
+  GPT's 316 MB units spent 3.9 s of a 500m-proxy step's 16.7 s forward and backward in that path,
+  unable to prefetch (bench/results/big_offload_step.md).
 
 Every collective is entered in the flight recorder and every blocking wait runs under the watchdog
 (`watchdog.py`): a wait longer than comm_timeout_s prints what this rank was doing and exits.
@@ -43,8 +44,6 @@ from .pairwise import exchange_all_gather, exchange_reduce_scatter
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
-# Largest gloo all-gather message (see the module docstring for the measurement).
-GLOO_GATHER_MESSAGE_BYTES = 24 << 20
 
 # torch 2.13 renamed the tensor-form collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -302,8 +301,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
     """Concatenate every rank's `input` (equal sizes) into `output`, in rank order.
 
     `input` may be this rank's own slice of `output` (the usual in-place form). A gather larger than
-    `max_message_numel` elements (and, on gloo, than GLOO_GATHER_MESSAGE_BYTES) is sent as several
-    messages through a small staging buffer; that path completes before returning.
+    `max_message_numel` elements is sent as several messages through a small staging buffer; that path
+    completes before returning.
     """
     world = get_world_size(group)
     if output.numel() != input.numel() * world:
@@ -314,8 +313,6 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
             output.copy_(input)
         return Handle()
     limit = max_message_numel or output.numel()
-    if backend_name(group) == "gloo":
-        limit = min(limit, max(world, GLOO_GATHER_MESSAGE_BYTES // output.element_size()))
     if output.numel() > limit:
         _chunked_all_gather(output, input, group, max(1, limit // world), tag, what)
         return Handle()

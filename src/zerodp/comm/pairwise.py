@@ -31,6 +31,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..huge_pages import advise_huge_pages
+
 _TAG = 0x5A  # see [Note: pairwise order]
 _GATHER_TAG = 0x5B
 
@@ -65,6 +67,7 @@ def exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, ra
     lo, hi = ranges[rank]
     peers = [r for r in range(world) if r != rank]
     received = torch.empty(len(peers), hi - lo, dtype=input.dtype, device=input.device)
+    advise_huge_pages(received)  # half a unit's gradient at 2 ranks, written once: [Note: huge pages for unit buffers]
     works = []
     for k, peer in enumerate(peers):  # every rank knows every range, so both ends skip the same empty ones
         a, b = ranges[peer]

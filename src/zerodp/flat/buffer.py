@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..huge_pages import advise_huge_pages
 from .layout import FlatLayout
 
 # [Note: freeing storage]
@@ -29,11 +30,13 @@ def free_storage(tensor: torch.Tensor) -> None:
 
 
 def alloc_storage(tensor: torch.Tensor, numel: int) -> None:
-    """Re-attach memory of `numel` elements behind a tensor whose storage was freed (contents undefined)."""
+    """Re-attach memory of `numel` elements behind a tensor whose storage was freed (contents undefined);
+    large CPU buffers are backed by huge pages where the system allows ([Note: huge pages for unit buffers])."""
     storage = tensor.untyped_storage()
     nbytes = numel * tensor.element_size()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
+        advise_huge_pages(tensor)
 
 
 def is_storage_freed(tensor: torch.Tensor) -> bool:

@@ -99,6 +99,9 @@ class GradShard:
             raise AssertionError(f"gradient shard {name}: a persistent full buffer cannot mix reduction dtypes "
                                  f"(buckets are split by reduction dtype)")
         self._pending_low: Optional[PendingReduce] = None  # the split's low-dtype reduction in flight
+        # parameters whose gradient was written into the full buffer since it was allocated; None: every
+        # element holds a value (the persistent buffer, or after `_fill_unwritten`)
+        self._written: Optional[set[int]] = None
         self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
         if keep_full:
             self.shard = self.full.shard(shard_index)
@@ -155,9 +158,23 @@ class GradShard:
         return self.full.nbytes + shard
 
     def _ensure_full(self) -> None:
+        """Give the per-round full buffer memory. It is not zeroed: each parameter's first gradient is copied
+        in (`add_grad`) and only what no gradient wrote is zeroed before the buffer is read (`_fill_unwritten`),
+        which saves a pass over a unit's gradient bytes per micro-step (1.35 s of a 500m-proxy step's 11.2 s
+        backward, bench/results/big_offload_step.md)."""
         if not self.keep_full and self.full.nbytes == 0:
             alloc_storage(self.full.tensor, self.layout.padded_numel)
-            self.full.tensor.zero_()
+            self._written = set()
+
+    def _fill_unwritten(self) -> None:
+        """Zero the full buffer's parameters that no gradient wrote since it was allocated, and its padding."""
+        if self._written is None:
+            return
+        for index in range(len(self.params)):
+            if index not in self._written:
+                self.full.view(index).zero_()
+        self.full.zero_padding()
+        self._written = None
 
     def _open_round(self) -> None:
         """After a reduction, start another round of this micro-step without reducing anything twice."""
@@ -176,8 +193,13 @@ class GradShard:
         if self.state in (GradState.REDUCING, GradState.REDUCED):
             self._open_round()  # a late gradient: finish the round in flight, then open another one
         self._ensure_full()
-        # In the buffer's dtype: a bf16 gradient is added exactly into an fp32 buffer (type promotion)
-        self.full.view(index).add_(p.grad)
+        # In the buffer's dtype: a bf16 gradient is added exactly into an fp32 buffer (type promotion); the
+        # first one since the buffer was allocated is copied (the same value as adding it to zeros)
+        if self._written is not None and index not in self._written:
+            self.full.view(index).copy_(p.grad)
+            self._written.add(index)
+        else:
+            self.full.view(index).add_(p.grad)
         p.grad = None  # the shard holds it now; dropping .grad is what frees the per-parameter copy
         self.reported.add(index)
         self.received[index] = True
@@ -188,6 +210,7 @@ class GradShard:
         if self.state is GradState.REDUCED:
             self._open_round()  # another rank needs a further round; ours adds nothing new
         self._ensure_full()  # a rank without gradients takes part with zeros
+        self._fill_unwritten()
         if self.split is not None:  # the low-dtype part first: split() zeroes it in the full buffer
             low = FlatBuffer(self.layout, self.split.low_dtype, self.full.tensor.device,
                              self.arithmetic.to_send(self.split.split(self.full.tensor), self.split.low_dtype))

@@ -15,7 +15,11 @@ malloc_trim right after initialize took 0.57-0.72 GiB down to 0.03 (so it was no
 Setting the threshold explicitly (mallopt) switches the dynamic raise off: every buffer of at least
 LARGE_BUFFER_BYTES is its own mapping and goes back to the kernel when freed, so RSS follows the
 live bytes. The cost is a page fault per 4 KiB when such a buffer is first written, paid only by
-runs that asked for offload (they traded speed for memory). Process-wide; a no-op off glibc.
+runs that asked for offload (they traded speed for memory), and cut by huge pages: zerodp advises its
+own unit-sized buffers ([Note: huge pages for unit buffers] in zerodp/huge_pages.py), and torch backs its
+own large tensors by them when the process starts with THP_MEM_ALLOC_ENABLE=1 (read once, at torch's
+first allocation, so it cannot be set from here; the start-up log line says so). Process-wide; a no-op
+off glibc.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger("zerodp")
 
@@ -48,5 +53,8 @@ def map_large_buffers(threshold_bytes: int = LARGE_BUFFER_BYTES) -> bool:
         return False
     _applied = True
     log.info("zerodp offload: buffers of %d KiB or more are mapped on their own, so freed ones leave RSS "
-             "(glibc M_MMAP_THRESHOLD; see zerodp/offload/heap.py)", threshold_bytes >> 10)
+             "(glibc M_MMAP_THRESHOLD; see zerodp/offload/heap.py)%s", threshold_bytes >> 10,
+             "" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else
+             "; THP_MEM_ALLOC_ENABLE=1 in the launch environment backs torch's own large tensors by huge pages "
+             "too, which makes their first writes several times cheaper (zerodp/huge_pages.py)")
     return True

@@ -223,14 +223,20 @@ class ShardedOptimizer(CheckpointStateAccess):
         self.last_step_skipped = False
         return StepOutcome.STEPPED
 
-    def _bind_grads(self, index: int, g: torch.Tensor, received: Optional[torch.Tensor]) -> None:
-        """Give unit `index`'s chunks their gradients: views of `g`, this unit's gradient shard (or, for
-        an offloaded shard, clipped copies: the stored shard stays as reduced)."""
+    def _bind_grads(self, index: int, g: torch.Tensor, received: Optional[torch.Tensor],
+                    window: Optional[set[int]] = None) -> None:
+        """Give unit `index`'s chunks their gradients: views of `g`, this unit's gradient shard (an offloaded
+        shard's chunks in `window`, ids of the chunks this part of the step updates, are clipped here)."""
         unit, chunks = self.units[index], self.chunks[index]
-        if unit.grad_offloaded:  # g is the shard itself, resident for this part of the step
-            clip = self._clip
+        if unit.grad_offloaded:  # g is the shard itself, resident (not dirty) for this part of the step
+            # Clipped in place, each chunk once, in the one window that steps it: a unit's shard may span
+            # windows and be evicted and read again between them, and nothing reads it after the step, whose
+            # zero_grad drops it without a write (ShardStore.zero). Scaled copies cost 2.5 s of a
+            # 500m-proxy step's 5.0 s (bench/results/big_offload_step.md).
             for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
-                chunk.grad = g_chunk.mul(clip) if clip < 1.0 else g_chunk
+                if self._clip < 1.0 and window is not None and id(chunk) in window:
+                    g_chunk.mul_(self._clip)
+                chunk.grad = g_chunk
             return
         if not unit.layout.whole_tensors:
             for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
@@ -252,8 +258,9 @@ class ShardedOptimizer(CheckpointStateAccess):
         offloaded = [i for i in indices if self.units[i].grad_offloaded]
         with self._params_resident(indices, dirty=True), \
                 _holding([self.units[i].grad_resident() for i in offloaded]):
+            stepped = {id(c) for c in window}
             for i in offloaded:
-                self._bind_grads(i, self.units[i].grad_shard, received)
+                self._bind_grads(i, self.units[i].grad_shard, received, stepped)
             self._step_chunks(received, window)
             for i in offloaded:  # the shards may be evicted after this block: no view of them may remain
                 for chunk in self.chunks[i]:
