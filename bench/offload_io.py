@@ -67,34 +67,42 @@ def direct_io(path: str, nbytes: int, block: int) -> tuple[float, float]:
     return nbytes / w, nbytes / r
 
 
-def dd(path: str, mib: int) -> tuple[str, str]:
-    w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "oflag=direct"],
-                       capture_output=True, text=True).stderr.strip().splitlines()[-1]
-    r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"],
-                       capture_output=True, text=True).stderr.strip().splitlines()[-1]
-    return w, r
+def _dd(*args: str) -> str:
+    return subprocess.run(["dd", *args], capture_output=True, text=True).stderr.strip().splitlines()[-1]
+
+
+def dd(path: str, mib: int) -> list[tuple[str, str]]:
+    """dd's write and read of the same size: direct I/O, and buffered with the data flushed before dd ends
+    (conv=fdatasync), the way FileIO's write is timed here (its fsync is inside the time)."""
+    w = _dd("if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "oflag=direct", "conv=fsync")
+    r = _dd(f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct")
+    wb = _dd("if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync")
+    return [("dd oflag=direct conv=fsync", w), ("dd iflag=direct", r), ("dd buffered conv=fdatasync", wb)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--path", default=tempfile.gettempdir())
     ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4], help="FileIO thread counts to try")
+    ap.add_argument("--block-mib", type=int, nargs="+", default=[1], help="FileIO request sizes (aio block_size)")
     ns = ap.parse_args()
     nbytes = ns.mib << 20
     data = torch.randn(nbytes // 4)
     target = os.path.join(ns.path, "zerodp-io-bench.bin")
     try:
-        for threads in (1, 2, 4):
-            w, r = file_io(target, data, threads, 1 << 20)
-            print(f"FileIO buffered pread/pwrite, {threads} thread(s), 1 MiB requests: write {w / 1e6:.0f} MB/s, "
-                  f"read {r / 1e6:.0f} MB/s")
+        for threads in ns.threads:
+            for block_mib in ns.block_mib:
+                w, r = file_io(target, data, threads, block_mib << 20)
+                print(f"FileIO buffered pread/pwrite, {threads} thread(s), {block_mib} MiB requests: write "
+                      f"{w / 1e6:.0f} MB/s, read {r / 1e6:.0f} MB/s", flush=True)
         try:
             w, r = direct_io(target, nbytes, 1 << 20)
             print(f"O_DIRECT, aligned 1 MiB requests, 1 thread: write {w / 1e6:.0f} MB/s, read {r / 1e6:.0f} MB/s")
         except OSError as err:
             print(f"O_DIRECT not available on {ns.path}: {err}")
-        w, r = dd(target, ns.mib)
-        print(f"dd oflag=direct: {w}\ndd iflag=direct: {r}")
+        for name, line in dd(target, ns.mib):
+            print(f"{name}: {line}")
     finally:
         if os.path.exists(target):
             os.remove(target)

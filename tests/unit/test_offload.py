@@ -38,7 +38,7 @@ def test_deepspeed_infinity_config_loads():
     zero = cfg.zero_optimization
     assert zero.offload_optimizer.device.value == "nvme" and zero.offload_optimizer.buffer_count == 4
     assert zero.offload_param.buffer_size == 100_000_000 and zero.sub_group_size == 1_000_000_000
-    assert cfg.aio.block_size == 1 << 20 and cfg.aio.io_threads == 1
+    assert cfg.aio.block_size == 1 << 20 and cfg.aio.io_requests == 8  # 1 thread x queue depth 8
 
 
 @pytest.mark.parametrize("zero, aio, fragment", [

@@ -107,11 +107,12 @@ class AioConfig(StrictModel):
 
     block_size: int = Field(1_048_576, ge=512, description="Bytes per I/O request: a request larger than this "
                             "is split into block_size pieces issued in parallel.")
-    queue_depth: int = Field(8, ge=1, description="Most I/O requests in flight per thread.")
+    queue_depth: int = Field(8, ge=1, description="Most I/O requests in flight per thread: zerodp runs "
+                             "thread_count x queue_depth blocking reads/writes at once.")
     intra_op_parallelism: Optional[int] = Field(None, ge=1, description="I/O threads (newer DeepSpeed name "
                                                 "of thread_count).")
     thread_count: int = Field(1, ge=1, description="I/O threads (older DeepSpeed name); the larger of the two "
-                              "counts is used.")
+                              "counts is used, times queue_depth.")
     single_submit: bool = Field(False, description="libaio submission mode; zerodp uses a thread pool of "
                                 "pread/pwrite (no effect).")
     overlap_events: bool = Field(True, description="libaio event overlap; the thread pool always overlaps "
@@ -127,8 +128,10 @@ class AioConfig(StrictModel):
         return self
 
     @property
-    def io_threads(self) -> int:
-        return max(self.thread_count, self.intra_op_parallelism or 1)
+    def io_requests(self) -> int:
+        """Requests in flight at once, DeepSpeed's threads x queue depth; zerodp gives each its own pool
+        thread doing a blocking pread/pwrite ([Note: offload I/O] in offload/file_io.py)."""
+        return max(self.thread_count, self.intra_op_parallelism or 1) * self.queue_depth
 
 
 def ignored_settings(optimizer: OffloadOptimizerConfig, param: OffloadParamConfig, aio: AioConfig,

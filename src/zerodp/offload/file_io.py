@@ -1,12 +1,17 @@
 """Asynchronous reads and writes of raw tensor bytes: a thread pool of os.preadv / os.pwritev.
 
-[Note: offload I/O] Measured on this machine's disk (bench/offload_io.py, bench/results/offload_io.txt,
-256 MiB, 1 MiB requests): buffered pread/pwrite from 2 threads wrote 1.9 GB/s and read 1.65 GB/s;
-O_DIRECT with page-aligned buffers (1 thread) 1.6 / 1.0 GB/s; dd with direct I/O 2.6 / 0.94 GB/s. So
-zerodp uses a pool of threads doing buffered pread/pwrite straight into the tensors' memory (a numpy
-view: no copy, no dtype change, no alignment constraint); aio.thread_count 2 is the best setting here.
-The GIL is released during each system call, so I/O overlaps the optimizer step. A request larger than `block_numel` is split into pieces issued in parallel (aio's
-block_size). Bytes are written and read back as they are: fp32 stays fp32, bit for bit.
+[Note: offload I/O] zerodp reads and writes offload files with a pool of threads doing buffered
+pread/pwrite straight into the tensors' memory (no copy, no dtype change, no alignment constraint),
+as many at once as DeepSpeed's aio section puts in flight: thread_count x queue_depth (8 by default).
+The GIL is released during each system call, so I/O overlaps compute and the optimizer step. A request
+larger than `block_numel` is split into pieces issued in parallel (aio's block_size). Bytes are written
+and read back as they are: fp32 stays fp32, bit for bit.
+
+Measured on this machine's disk (bench/offload_io.py, bench/results/offload_io.txt, 2 GiB, 1 MiB
+requests, two runs): writes, timed with their fsync, at 1.6-2.7 GB/s from 1 thread, 2.5 from 2,
+2.77-2.83 from 8 and 2.90-2.94 from 16; dd wrote 2.7 GB/s buffered (conv=fdatasync, the same kind of
+write: 1.02-1.05x for 8 in flight) and 3.2-3.5 GB/s with oflag=direct (0.79-0.88x; a single Python
+O_DIRECT writer reached 2.86). Reads from 8 threads 2.9-3.1 GB/s, against dd iflag=direct's 1.3.
 
 Every request returns an `IOHandle`: the futures and the tensor whose memory the kernel reads or
 writes, so the buffer's lifetime is visible and it cannot be reused before `wait()`.

@@ -87,7 +87,7 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
         key = "zero_optimization.offload_optimizer.nvme_path"
         needed = predicted_state_bytes(int(numel * section.ratio), user_optimizer)  # the files; windows are RAM
         rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)
-    io = FileIO(config.aio.io_threads, config.aio.block_size)
+    io = FileIO(config.aio.io_requests, config.aio.block_size)
 
     def make_stores(host_numel: int, file_numel: int):
         if section.device is OffloadDevice.CPU:
@@ -129,7 +129,7 @@ def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, lar
     key = "zero_optimization.offload_param.nvme_path"
     needed = -(-model_numel // world) * itemsize * (1 if _grads_stay(config) else 2)
     rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)  # its own run folder
-    io = FileIO(config.aio.io_threads, config.aio.block_size)
+    io = FileIO(config.aio.io_requests, config.aio.block_size)
     return ShardStore(rank_dir, io, section.max_in_cpu, section.buffer_count,
                            section.pin_memory and has_cuda)
 
