@@ -11,7 +11,7 @@
     a user's config), without offload and with both offloads on nvme: --measure-201m runs that script
     (absolute VmHWM per rank, no trim; a few minutes), else the figures of its last run (RECORDED_201M).
 (c) the 3e9-parameter GPT of bench/harness/big_offload.py: its config and model, predicted here;
-    measured: bench/results/big_offload_3b.jsonl (getrusage peak; not re-run, it takes hours).
+    measured: bench/results/big_offload_3b_after.jsonl (getrusage peak; 15 minutes, make bench-offload).
 (d) held out (fitted on nothing): the same script with D=8 W=1024 (8.4M parameters), with and without
     offload at stage 3, and without offload at stages 1 and 2 (STAGE=); measured by --measure-201m too
     (under a minute each), else RECORDED_SMALL.
@@ -139,11 +139,11 @@ def case_3b(baseline: int):
         model = module_shape(GPT(gpt), config, act, (act - outside) / act)
     run = run_shape_of(config, 2)
     peak = predict_peak_rss(model, run, baseline)
-    rows = [json.loads(line) for line in (ROOT / "bench/results/big_offload_3b.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (ROOT / "bench/results/big_offload_3b_after.jsonl").read_text().splitlines()]
     measured = {r["rank"]: r["peak_rss_bytes"] / MiB for r in rows}
     what = f"GPT 3b (bench/harness/big_offload.py), {model.numel:,} parameters, micro-batch 1 x 128 tokens"
     return ("(c) 3e9 GPT, both offloads nvme", "bench/estimate_rss.py case_3b (big_offload's config)", peak, run,
-            what, measured, "bench/results/big_offload_3b.jsonl (getrusage peak, 2026-11-23)")
+            what, measured, "bench/results/big_offload_3b_after.jsonl (getrusage peak, 2026-11-25)")
 
 
 def render(cases, baseline: int, where: str) -> str:
