@@ -152,19 +152,25 @@ class FirstStepProbe(TrainerCallback):
             self.params = self.trainer.engine.full_state_dict(rank0_only=True)
 
 
-def resume(out: str) -> None:
+def resume_and_probe(checkpoint: str, args, zero_config_: dict):
+    """A fresh ZeroTrainer resumed from `checkpoint`; returns it, the checkpoint's saved parameters (rank 0;
+    None elsewhere) and the largest difference between them and the parameters the first resumed step saw."""
     from safetensors.torch import load_file
 
-    checkpoint = f"{out}/stage3/checkpoint-{SAVE_STEPS}"
-    trainer = ZeroTrainer(model=make_model(), args=arguments(f"{out}/resumed", eval_strategy="no"),
-                          train_dataset=Sequences(),
-                          zero_config=zero_config(3))
+    trainer = ZeroTrainer(model=make_model(), args=args, train_dataset=Sequences(), zero_config=zero_config_)
     probe = FirstStepProbe(trainer)
     trainer.add_callback(probe)
     trainer.train(resume_from_checkpoint=checkpoint)
-    if dist.get_rank() == 0:
-        saved = load_file(f"{checkpoint}/model.safetensors")
-        diff = max((probe.params[k].float() - v.float()).abs().max().item() for k, v in saved.items())
+    if dist.get_rank() != 0:
+        return trainer, None, None
+    saved = load_file(f"{checkpoint}/model.safetensors")
+    return trainer, saved, max((probe.params[k].float() - v.float()).abs().max().item() for k, v in saved.items())
+
+
+def resume(out: str) -> None:
+    trainer, saved, diff = resume_and_probe(f"{out}/stage3/checkpoint-{SAVE_STEPS}",
+                                            arguments(f"{out}/resumed", eval_strategy="no"), zero_config(3))
+    if saved is not None:
         fresh = make_model().state_dict()
         moved = max((fresh[k].float() - v.float()).abs().max().item() for k, v in saved.items())
         with open(f"{out}/resume.json", "w") as fh:
@@ -174,17 +180,10 @@ def resume(out: str) -> None:
 
 def resume_offload(out: str) -> None:
     """A fresh launch resumes the offloaded run from checkpoint-3 (same world, same arguments)."""
-    from safetensors.torch import load_file
-
-    checkpoint = f"{out}/offload/checkpoint-{SAVE_STEPS}"
-    trainer = ZeroTrainer(model=make_model(), args=offload_arguments(f"{out}/resumed-offload"),
-                          train_dataset=Sequences(), zero_config=offload_config(f"{out}/nvme-resume"))
-    probe = FirstStepProbe(trainer)
-    trainer.add_callback(probe)
-    trainer.train(resume_from_checkpoint=checkpoint)
-    if dist.get_rank() == 0:
-        saved = load_file(f"{checkpoint}/model.safetensors")
-        diff = max((probe.params[k].float() - v.float()).abs().max().item() for k, v in saved.items())
+    trainer, saved, diff = resume_and_probe(f"{out}/offload/checkpoint-{SAVE_STEPS}",
+                                            offload_arguments(f"{out}/resumed-offload"),
+                                            offload_config(f"{out}/nvme-resume"))
+    if saved is not None:
         with open(f"{out}/resume_offload.json", "w") as fh:
             json.dump({"global_step": trainer.state.global_step, "resume_param_maxdiff": diff,
                        "compared": len(saved), **history(trainer)}, fh)
