@@ -5,8 +5,17 @@ of an uninterrupted run; peak RSS of the save and of the load against training's
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/big_checkpoint.py resume --size 1b5 --nvme-path N --ckpt C
     /usr/bin/time -v zerodp consolidate C OUT_FOLDER      (streaming, Hugging Face layout; its peak RSS)
 
+The 3b (whose offload files, 49 GB, and checkpoint, ~35 GB, this machine's disk cannot hold together with the
+gradient files full) runs the uninterrupted reference as its own launch, saves with --after 0, and resumes
+with --delete-after-load (the checkpoint goes once loaded, before the gradient files take their space back):
+    ... big_checkpoint.py uninterrupted --size 3b --before 1 --after 2 --nvme-path N --ckpt C
+    ... big_checkpoint.py train --size 3b --before 1 --after 0 --nvme-path N --ckpt C
+    ... big_checkpoint.py resume --size 3b --before 1 --after 2 --nvme-path N --ckpt C --delete-after-load
+
 train:  build under init_context (both offloads on nvme, big_offload's settings), --before steps, save, --after
-        steps (the uninterrupted losses, written to C/uninterrupted.json)
+        steps (the uninterrupted losses, written to C/train.json)
+uninterrupted: build, --before + --after steps, no checkpoint (C/uninterrupted.json); resume compares with it
+        when it is there
 resume: build, load, --after steps; prints its losses next to the uninterrupted ones and whether they are equal
 Memory is what the OS sees (no malloc_trim): ru_maxrss before and after each phase's save or load, and the
 VmHWM of the save / load alone (reset through /proc/self/clear_refs just before it). Results:
@@ -19,6 +28,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import sys
 import time
 
@@ -74,12 +84,14 @@ def run_steps(engine, gpt: GPTConfig, first: int, n: int, rank: int) -> list[flo
 def main() -> None:
     _fixed_mmap_threshold()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=("train", "resume"))
+    parser.add_argument("phase", choices=("train", "resume", "uninterrupted"))
     parser.add_argument("--size", choices=sorted(BIG), default="1b5")
     parser.add_argument("--nvme-path", required=True)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--before", type=int, default=2)
     parser.add_argument("--after", type=int, default=2)
+    parser.add_argument("--delete-after-load", action="store_true",
+                        help="resume: remove the checkpoint folder once it is loaded (disk space for the 3b)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     gpt = BIG[args.size]
@@ -92,7 +104,12 @@ def main() -> None:
     engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True), cfg)
     out = {"rank": rank, "size": args.size, "params": sum(p.numel() for p in model.parameters()),
            "build_s": time.perf_counter() - t0}
-    if args.phase == "train":
+    if args.phase == "uninterrupted":
+        os.makedirs(args.ckpt, exist_ok=True)
+        losses = run_steps(engine, gpt, 0, args.before + args.after, rank)
+        out["losses_before"], out["losses_after"] = losses[:args.before], losses[args.before:]
+        out["training_peak"] = maxrss()
+    elif args.phase == "train":
         out["losses_before"] = run_steps(engine, gpt, 0, args.before, rank)
         out["training_peak"] = maxrss()
         reset_hwm()
@@ -106,6 +123,15 @@ def main() -> None:
         t0 = time.perf_counter()
         engine.load_checkpoint(args.ckpt, tag="big")
         out["load_s"], out["load_hwm"], out["peak_after_load"] = time.perf_counter() - t0, hwm(), maxrss()
+        if args.delete_after_load:
+            dist.barrier()
+            if rank == 0:
+                for name in os.listdir(args.ckpt):
+                    if name not in ("train.json", "uninterrupted.json"):
+                        shutil.rmtree(os.path.join(args.ckpt, name), ignore_errors=True)
+                        if os.path.isfile(os.path.join(args.ckpt, name)):
+                            os.remove(os.path.join(args.ckpt, name))
+            dist.barrier()
         out["losses_after"] = run_steps(engine, gpt, args.before, args.after, rank)
         out["peak"] = maxrss()
     results = [None] * dist.get_world_size()
@@ -116,7 +142,10 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
         if args.phase == "resume":
-            with open(os.path.join(args.ckpt, "train.json")) as f:
+            reference = os.path.join(args.ckpt, "uninterrupted.json")
+            if not os.path.exists(reference):
+                reference = os.path.join(args.ckpt, "train.json")
+            with open(reference) as f:
                 first = json.load(f)[0]["losses_after"]
             print(f"uninterrupted {first}\nresumed       {results[0]['losses_after']}\n"
                   f"equal: {first == results[0]['losses_after']}")

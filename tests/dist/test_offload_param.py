@@ -9,6 +9,8 @@ In fp32 the gradient shards live in files too ([Note: gradient shards offloaded]
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,11 +46,18 @@ def run(cfg: dict, opt_name: str) -> tuple[list[float], dict, dict]:
                  "grad_shards": len(grads.entries) if grads is not None else 0,
                  "grad_disk_bytes": grads.disk_bytes() if grads is not None else 0,
                  "grad_peak_resident_numel": grads.peak_resident_numel if grads is not None else 0,
-                 "sharded_trainable": [u.grad_shard.numel() * 4 for u in engine.units if not u.persistent]}
+                 "sharded_trainable": [u.grad_shard.numel() * 4 for u in engine.units if not u.persistent],
+                 # after the last step's zero_grad the gradient files hold no disk blocks (sparse)
+                 "grad_blocks": _blocks(grads) if grads is not None else None, "param_blocks": _blocks(home)}
     engine.close()
     if home.offloads:
         facts["folder_removed"] = not facts.pop("folder").exists()
     return losses, params, facts
+
+
+def _blocks(store) -> int:
+    """512-byte disk blocks the store's files hold now."""
+    return sum(os.fstat(fd).st_blocks for e in store.entries.values() for fd in e.backing.fds.values())
 
 
 def param_offload_vs_plain(nvme_dir: str, opt_name: str, max_in_cpu: int, buffer_count: int,
@@ -79,6 +88,9 @@ def test_param_offload_is_bitwise_identical_to_no_offload(dist_run, tmp_path, wo
         # fp32: the gradient shard of every sharded trainable unit lives in a file of its own
         assert facts["grad_shards"] == len(facts["sharded_trainable"]) >= 3
         assert facts["grad_disk_bytes"] == sum(facts["sharded_trainable"])
+        # at most one partly covered file-system block per file stays (these shards are smaller than one)
+        assert facts["grad_blocks"] * 512 <= 4096 * facts["grad_shards"]
+        assert facts["param_blocks"] * 512 >= facts["disk_bytes"] - facts["grad_disk_bytes"]
         if max_in_cpu < 10**9:
             # every step reads every shard back (forward, backward, optimizer): far more than one copy
             assert facts["read_bytes"] > 3 * STEPS * facts["disk_bytes"] / 2
@@ -194,7 +206,10 @@ def wide_unit_run(nvme_dir: str, max_in_cpu: int | None) -> dict:
         engine.step()
         losses.append(loss.item())
         norms.append(engine.grad_norm)
+    grads = engine.sharding.grad_home
     facts = {"grad_offloaded": [u.grad_offloaded for u in engine.units],
+             "grad_file_bytes": grads.disk_bytes() if grads is not None else 0,
+             "grad_blocks": _blocks(grads) if grads is not None else 0,
              "widest_shard": max(u.grad_shard.numel() for u in engine.units),
              "chunk_numel": engine.optimizer.chunk_numel}
     params = engine.full_state_dict(rank0_only=False)
@@ -212,6 +227,9 @@ def test_clipping_an_offloaded_gradient_shard_that_spans_optimizer_windows(dist_
     for rank, (r, p) in enumerate(zip(results, plain)):
         assert any(r["facts"]["grad_offloaded"]) and not any(p["facts"]["grad_offloaded"])
         assert r["facts"]["widest_shard"] > r["facts"]["chunk_numel"], "no gradient shard spans two windows"
+        # between a step and the next backward the gradient files hold (almost) no disk: their blocks were
+        # punched out when the shards were zeroed (offload/shard_store.py [Note: gradient shards offloaded])
+        assert r["facts"]["grad_file_bytes"] > 1e6 and r["facts"]["grad_blocks"] * 512 < 0.01 * r["facts"]["grad_file_bytes"]
         assert min(p["norms"]) > 10 * BIG_CLIP, "clipping did not scale every step"
         assert r["losses"] == p["losses"], f"rank {rank}: losses differ with offloaded gradient shards"
         for name, value in p["params"].items():

@@ -5,6 +5,7 @@ and the rank folder goes on close."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zerodp.offload.file_io import FileIO
@@ -165,4 +166,36 @@ def test_a_store_without_read_ahead_records_no_order(tmp_path):
     store.acquire(tensors[0])
     assert [state(store, t) for t in tensors[1:]] == [ShardHome.OFFLOADED] * 2  # nothing read ahead
     store.release(tensors[0])
+    store.close()
+
+
+def test_zero_gradient_files_hold_no_disk_until_the_next_backward_reserves_it(tmp_path, monkeypatch):
+    """Gradient files are created sparse and punched out when zeroed; `reserve` (the start of a backward) takes
+    the blocks again, and on a full disk says how much is needed and why, before anything is written."""
+    import errno
+    import os
+
+    store = ShardStore(RankDir(str(tmp_path), "unit", 0), FileIO(2, 4096), 0, 2, kind="grad")
+    (a,) = shards(1, numel=1 << 18)  # 1 MiB: whole file-system blocks
+    store.adopt(a, zeros=True)
+    fd = next(iter(store.entries[id(a)].backing.fds.values()))
+    assert os.fstat(fd).st_size == 1 << 20 and os.fstat(fd).st_blocks == 0
+    store.reserve()
+    assert os.fstat(fd).st_blocks * 512 >= 1 << 20
+    with store.resident([a], dirty=True):
+        a.fill_(3.0)
+    with store.resident([a]):
+        assert torch.equal(a, torch.full_like(a, 3.0))
+    store.zero(a)
+    assert os.fstat(fd).st_blocks == 0 and os.fstat(fd).st_size == 1 << 20
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"grad shards' files need [0-9.]+ GiB more under .*a checkpoint\?"):
+        store.reserve()
+    monkeypatch.undo()
+    store.reserve()
+    with store.resident([a]):
+        assert torch.equal(a, torch.zeros_like(a))
     store.close()

@@ -41,7 +41,13 @@ on 2 ranks), and would be the largest thing left in memory. A second store (`kin
     GradShard.zero_grad       `zero(shard)`: the values become zeros without any I/O
 A zero shard (`Entry.zero`) is never read or read ahead: acquiring it allocates zeros, which are
 dirty (written before dropped). The step learns norms from GradShard.square_norm() (kept from the
-last delivery), not by reading shards.
+last delivery), not by reading shards. A zero shard's file holds no disk either (`kind="grad"`): its
+blocks are given back when it is zeroed (punched out, the file keeps its size) and taken again for all
+of them at the start of the next backward (`reserve`, from Stage3Sharding.start_micro_step), so a full
+disk still fails before any gradient is computed, never in the middle of a reduction. Between an
+optimizer step and the next backward, when checkpoints are written, the gradient files take nothing:
+a 3e9-parameter run's checkpoint fits beside its offload files on a disk that cannot hold both with
+12.3 GB of gradient files (bench/results/big_checkpoint.md).
 """
 
 from __future__ import annotations
@@ -105,9 +111,10 @@ class ShardStore:
         self._largest_numel = max(self._largest_numel, shard.numel())
         if self.rank_dir is not None:
             backing = FileStore(self.rank_dir, shard.numel(), self.io, prefix=f"{self.kind}{index}.")
+            backing.ensure("values", shard.dtype, reserve=not (zeros and self.kind == "grad"))
         else:
             backing = HostStore(shard.numel(), self.pin_memory)
-        backing.ensure("values", shard.dtype)
+            backing.ensure("values", shard.dtype)
         entry = _Entry(index, shard, backing)
         self.entries[id(shard)] = entry
         self._count(entry.numel)
@@ -131,6 +138,24 @@ class ShardStore:
             self.lru.pop(id(shard), None)
             self._drop(entry)
         entry.dirty, entry.zero = False, True
+        if self.kind == "grad" and not entry.backing.is_host:
+            entry.backing.release()  # see [Note: gradient shards offloaded]
+
+    def reserve(self) -> None:
+        """Take the disk blocks the zero shards gave back, before anything may be written to them; a full disk
+        raises here, naming the space needed, before the backward computes any gradient."""
+        released = [e for e in self.entries.values() if not e.backing.is_host and not e.backing.reserved]
+        if not released:
+            return
+        try:
+            for entry in released:
+                entry.backing.reserve()
+        except OSError as err:
+            need = sum(e.backing.disk_bytes() for e in released if not e.backing.reserved)
+            raise OSError(f"zerodp offload: the {self.kind} shards' files need {need / 2**30:.2f} GiB more under "
+                          f"{self.rank_dir.path} before this backward, and the disk cannot give it ({err}). Files "
+                          f"written there since the last optimizer step (a checkpoint?) took the space: free disk "
+                          f"space, or set nvme_path to a larger disk") from err
 
     def discard(self, shard: torch.Tensor) -> None:
         """Forget `shard`, whose values are no longer needed: its file and its memory go."""

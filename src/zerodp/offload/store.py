@@ -12,6 +12,8 @@ Bytes are stored as they are; no dtype conversion happens anywhere.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from typing import Optional
 
@@ -61,9 +63,26 @@ class HostStore:
         self.regions.clear()
 
 
+def _punch_hole():
+    """libc's fallocate, for FALLOC_FL_PUNCH_HOLE; None where there is none (then nothing is released)."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long), ctypes.c_int
+    return fn
+
+
+_FALLOC_KEEP_SIZE_PUNCH_HOLE = 0x01 | 0x02  # linux/falloc.h: free the blocks, keep the file's size
+_fallocate = _punch_hole()
+
+
 class FileStore:
     """One file per region under a `RankDir` (`device: nvme`), sized up front with posix_fallocate so that
-    a full disk fails at creation, not in the middle of a step."""
+    a full disk fails at creation, not in the middle of a step. A store whose values are all zeros may give
+    its blocks back (`release`) and take them again before it is next written (`reserve`): the gradient
+    shards' files hold no disk between an optimizer step and the next backward ([Note: gradient shards
+    offloaded] in shard_store.py)."""
 
     is_host = False
 
@@ -74,23 +93,54 @@ class FileStore:
         self.prefix = prefix
         self.fds: dict[str, int] = {}
         self.dtypes: dict[str, torch.dtype] = {}
+        self.reserved = True   # every region's bytes are allocated on disk
 
-    def ensure(self, key: str, dtype: torch.dtype) -> None:
+    def ensure(self, key: str, dtype: torch.dtype, reserve: bool = True) -> None:
+        """Create region `key`; `reserve=False`: as a sparse file, to be `reserve`d before its first write."""
         if key in self.fds:
             assert self.dtypes[key] == dtype, f"offloaded state {key!r} changed dtype"
             return
         path = self.rank_dir.path_of(f"{self.prefix}{key}.bin")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        nbytes = self.numel * dtype.itemsize
-        if nbytes:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as err:
-                os.close(fd)
-                raise OSError(f"cannot allocate {nbytes / 2**30:.2f} GiB for {path}: {err}; free disk space or set "
-                              f"nvme_path to a larger disk") from err
         self.fds[key] = fd
         self.dtypes[key] = dtype
+        if not reserve:
+            os.ftruncate(fd, self.numel * dtype.itemsize)
+            self.reserved = False
+            return
+        try:
+            self._allocate(key)
+        except OSError:
+            os.close(self.fds.pop(key))
+            del self.dtypes[key]
+            raise
+
+    def _allocate(self, key: str) -> None:
+        nbytes = self.numel * self.dtypes[key].itemsize
+        if nbytes:
+            try:
+                os.posix_fallocate(self.fds[key], 0, nbytes)
+            except OSError as err:
+                raise OSError(f"cannot allocate {nbytes / 2**30:.2f} GiB for "
+                              f"{self.rank_dir.path_of(self.prefix + key + '.bin')}: {err}; free disk space or set "
+                              f"nvme_path to a larger disk") from err
+
+    def release(self) -> None:
+        """The values are zeros and will be written before they are read: give the disk blocks back."""
+        if not self.reserved or _fallocate is None:
+            return
+        for key, fd in self.fds.items():
+            nbytes = self.numel * self.dtypes[key].itemsize
+            if nbytes and _fallocate(fd, _FALLOC_KEEP_SIZE_PUNCH_HOLE, 0, nbytes) != 0:
+                return  # the file system cannot punch holes: the blocks stay, nothing else changes
+        self.reserved = False
+
+    def reserve(self) -> None:
+        """Allocate the blocks `release` gave back (or a sparse `ensure` never took); OSError if the disk is full."""
+        if not self.reserved:
+            for key in self.fds:
+                self._allocate(key)
+            self.reserved = True
 
     def buffer(self, key: str, offset: int, numel: int, slot: Optional[dict]) -> torch.Tensor:
         return slot[key][:numel]

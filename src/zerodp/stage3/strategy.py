@@ -156,6 +156,8 @@ class Stage3Sharding:
     def start_micro_step(self, reduce: bool) -> None:
         """Before loss.backward(): every stage-3 micro-step reduces (`reduce` is always True)."""
         self.release_kept_units()  # a backward precedes every optimizer step: kept values would go stale
+        if self.grad_home is not None:
+            self.grad_home.reserve()  # zeroed gradient files hold no disk until now (offload/shard_store.py)
         self.schedule.start_backward()
         self.queue.start([f.grads for f in self._reduction_order()])
 
