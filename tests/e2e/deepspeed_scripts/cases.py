@@ -71,6 +71,16 @@ _CIFAR_PATH = ("shim/cifar",)  # the torchvision stand-in; never on the path of 
 # partitioned one (bitwise the plain module's forward, parameters sharded after it). Not the reward model:
 # DeepSpeed 0.19.8 stops it in its stage-3 optimizer ("assert len(set(t.dtype for t in tensors)) == 1": the
 # value head, made outside zero.Init, stays fp32 among bf16 parameters), so there is nothing to compare with.
+# zerodp runs it (the value head is cast to bf16 with the rest), but its losses are not its stage 2's (first
+# loss 0.777/0.816 on ranks 0/1 against 0.789/0.738) because the value head starts from other random weights,
+# not because stage 3 computes differently: it is the one parameter not loaded from the checkpoint
+# (RewardModel draws it after from_pretrained), and under HfDeepSpeedConfig transformers 5 builds the model on
+# real tensors, running its initializers (not on the meta device), and resize_token_embeddings builds a new
+# embedding even at the same size (modeling_utils: "not is_deepspeed_zero3_enabled()"), so the global RNG is
+# elsewhere when the head is drawn (DeepSpeed's zero.Init also runs the initializers on full tensors, so it
+# should draw the same head; not checked, it stops before a loss). Measured: every other parameter is equal at
+# initialize, and with the head overwritten by the same values at both stages, the 4 losses on both ranks are
+# bitwise stage 2's. So no case: its reference would be a run with the head's initial values as stage 3 draws them.
 # TRANSFORMERS4_NAMES: shim/sitecustomize.py.
 _CHAT_STEPS = {"sft": "step1_supervised_finetuning", "reward": "step2_reward_model_finetuning",
                "dpo": "step2_dpo_finetuning"}
