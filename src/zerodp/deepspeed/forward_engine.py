@@ -21,6 +21,7 @@ forward frees.
 
 `backward` and `step` are refused at every stage: nothing would update the weights.
 """
+
 from __future__ import annotations
 
 import os
