@@ -17,8 +17,8 @@ cases are skipped, naming them. Their tiny model is written at test time (tiny_c
 The default suite runs five cases (CIFAR fp32 at stage 3, the ZeRO-3 GPT with its published bf16
 config and with lr 0, offload_states in fp32, DeepSpeed-Chat's DPO at stage 2), about 70 s on 2 idle
 cores; every case (CIFAR at stages 0-3 and in bf16, the GPT in fp32, torch.compile at stages 2 and 3,
-offload_states in bf16, DeepSpeed-Chat's SFT, reward model and DPO at stages 0-2, SFT with LoRA and SFT
-at stage 3):
+offload_states in bf16, DeepSpeed-Chat's SFT, reward model and DPO at stages 0-2, SFT with LoRA, SFT and
+DPO at stage 3):
 
     ZERODP_ALL_SCRIPT_STAGES=1 python -m pytest tests/e2e/test_deepspeed_scripts.py
 """

@@ -36,7 +36,8 @@ DeepSpeed's examples/; transformers' and accelerate's integrations add the last 
       OffloadStateTypeEnum; engine.offload_states/reload_states   engine.py (CPU: nothing to move)
     engine.compile()                                           1  engine.py (module.compile)
     deepspeed.compression.helper: recursive_getattr/setattr    1  compression/helper.py (DeepSpeed-Chat's LoRA)
-    initialize(model=, config=) without an optimizer           1  forward_engine.py (DPO's reference model)
+    initialize(model=, config=) without an optimizer           1  forward_engine.py (DPO's reference model;
+                                                                   at stage 3 sharded by stage 3's strategy)
     engine.<module attribute> (engine.model, ...),              1  engine.py (DeepSpeed's engine answers with
       engine.tput_timer.update_epoch_count()                       its module's attributes); utils/timer.py
     launcher's --local_rank=<n> argument                        3  run.py --local_rank (DeepSpeed-Chat)
@@ -63,8 +64,9 @@ Where zerodp differs from DeepSpeed on purpose (the engine's differences are in 
     to its activations promotes the result to fp32 as in DeepSpeed.
   - `get_accelerator().device_count()` on CPU is LOCAL_SIZE or 1 (DeepSpeed counts NUMA nodes).
   - `initialize` without an optimizer (no argument, no config section) returns a forward-only engine
-    (forward_engine.py): the module in the compute dtype, as DeepSpeed's; at stage 3 it is refused
-    (DeepSpeed partitions such a model for inference), and so are its `backward`/`step`.
+    (forward_engine.py): the module in the compute dtype, as DeepSpeed's; at stage 3 its parameters stay
+    sharded (stage 3's strategy, every parameter frozen) and its forward runs under `torch.no_grad()` (no
+    graph: DeepSpeed's would only reach parameters nothing steps); its `backward`/`step` are refused.
   - transformers' `HfDeepSpeedConfig` asks `importlib.metadata` for the `deepspeed` distribution: under
     `zerodp.deepspeed.run`'s alias (alias.py) zerodp answers as DeepSpeed 0.19.8, so a script creating one
     (DeepSpeed-Chat at stage 3) builds its model under `zero.Init` and loads the checkpoint through

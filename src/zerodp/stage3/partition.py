@@ -32,13 +32,18 @@ from .wrap import choose_unit_modules, plan_units
 
 def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], config: ZeroConfig,
                           process_group: comm.ProcessGroup, whole: Optional[list[bool]] = None,
-                          arithmetic: Optional[GradArithmetic] = None) -> Stage3Sharding:
+                          arithmetic: Optional[GradArithmetic] = None, *,
+                          forward_only: bool = False) -> Stage3Sharding:
     """Partition `model`'s parameters into units and hook its modules (see the module docstring).
 
     `groups` are the optimizer's param groups, trainable parameters only, in model order; `whole[g]`:
     group g's units give each rank whole tensors (flat/whole_tensor_layout.py); `arithmetic`: the dtypes and
-    divisors of every unit's gradient reduction (None: averaged in the parameters' dtype).
+    divisors of every unit's gradient reduction (None: averaged in the parameters' dtype). `forward_only`
+    (no optimizer, `groups` empty): every parameter is laid out as frozen, whatever its requires_grad, so no
+    unit has a gradient or optimizer state; the model may then have no unit at all (every parameter small).
     """
+    if forward_only and groups:
+        raise ValueError("build_stage3_sharding(forward_only=True) lays out no trainable parameter; pass groups=[]")
     whole = whole or [False] * len(groups)
     zero = config.zero_optimization
     if any(whole) and (zero.zero_quantized_weights or zero.zero_quantized_gradients):
@@ -75,9 +80,10 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
         buckets: dict[tuple, tuple[list, list]] = {}
         for p, name in zip(plan.params, plan.names):
             persistent = p.numel() < threshold
-            if not p.requires_grad and persistent:
+            frozen = forward_only or not p.requires_grad
+            if frozen and persistent:
                 continue  # small and frozen: stays whole, no unit, no state
-            key = (group_of[id(p)] if p.requires_grad else -1, persistent, p.dtype, p.device)
+            key = (-1 if frozen else group_of[id(p)], persistent, p.dtype, p.device)
             ps, ns = buckets.setdefault(key, ([], []))
             ps.append(p)
             ns.append(name)
@@ -101,7 +107,9 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
         # higher per rank than one unit ahead).
         prefetch_numel = max((sum(f.layout.padded_numel for f in owned if not f.persistent)
                               for plan, owned in owned_by_unit if plan.module is not model), default=0)
-    inference = InferenceCache(shards, params[0].device, flats[0].gathered.tensor.element_size(),
+    # the gathered buffers' element size (the parameters' dtype; a model without units keeps nothing)
+    element_size = flats[0].gathered.tensor.element_size() if flats else params[0].element_size()
+    inference = InferenceCache(shards, params[0].device, element_size,
                                zero.stage3_inference_memory_fraction, zero.stage3_max_live_parameters)
     schedule = Schedule(flats, shards, prefetch_numel, zero.stage3_max_live_parameters, inference)
     module_units = [ModuleUnit(plan.module, plan.name, owned, schedule, is_root=plan.module is model)

@@ -76,6 +76,7 @@ class ShardGroup:
     def __init__(self, process_group: comm.ProcessGroup, device: torch.device, use_all_reduce: bool = False,
                  quantized_weights: bool = False, quantized_gradients: bool = False,
                  secondary: Optional[SecondaryGroup] = None, replicated: Optional[ReplicatedShards] = None) -> None:
+        self.device = device  # where its units' shards and gathered buffers live
         # every rank of the job: what ranks agree on (flat/reduce_queue.py's control collective), write-backs
         self.control_group = process_group
         self.replicated = replicated  # MiCS/HSDP: shards inside a block, replicated across blocks (mics.py), or None

@@ -85,7 +85,7 @@ class Stage3Sharding:
         self.replica_index = shards.replicated.replica_index if shards.replicated is not None else 0
         self.schedule = schedule
         self.serial = next(_serial)
-        device = flats[0].param_shard.device
+        device = shards.device
         self.queue = ReduceQueue(shards.control_group, device, async_op=True, max_inflight=self.max_inflight,
                                  reduce_all=False)
         self._owner = {id(f): mu for mu in module_units for f in mu.flats}  # flat unit -> its module unit

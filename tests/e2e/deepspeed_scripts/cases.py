@@ -60,14 +60,28 @@ _CIFAR_PATH = ("shim/cifar",)  # the torchvision stand-in; never on the path of 
 # reward model's default 5e-5 would move few bf16 weights in 4 steps); 4 steps of 2 samples per rank.
 # At stage 3 the scripts create transformers' HfDeepSpeedConfig, so from_pretrained builds the model under
 # zero.Init and loads the checkpoint through GatheredParameters (zerodp.deepspeed.run's alias presents zerodp
-# as the `deepspeed` distribution HfDeepSpeedConfig asks for). SFT at stage 3 is collected (DeepSpeed's losses
-# are those of its stages 1-2, and zerodp's bitwise those); the tiny model's parameters are all under the
+# as the `deepspeed` distribution HfDeepSpeedConfig asks for). SFT and DPO at stage 3 are collected (DeepSpeed's
+# losses are those of its stages 1-2, and zerodp's bitwise those); the tiny model's parameters are all under the
 # scripts' stage3_param_persistence_threshold (1e4), so none is partitioned while loading (a partitioned load
-# is tested in tests/dist/test_zero3_model_loading.py). Not the other two: DeepSpeed 0.19.8 stops the
-# reward model in its stage-3 optimizer ("assert len(set(t.dtype for t in tensors)) == 1": the value head,
-# made outside zero.Init, stays fp32 among bf16 parameters), so there is nothing to compare with; DPO's
-# reference model is a forward-only engine, which zerodp refuses at stage 3 (forward_engine.py; DeepSpeed's
-# losses are recorded as chat-dpo-bf16-stage3 for when it is not). TRANSFORMERS4_NAMES: shim/sitecustomize.py.
+# is tested in tests/dist/test_zero3_model_loading.py). DPO's reference model is a forward-only engine
+# (initialize without an optimizer: zerodp.deepspeed.forward_engine), at stage 3 laid out by stage 3's strategy
+# with every parameter frozen; here all its parameters stay whole (the threshold again), so the case checks the
+# script's path (HfDeepSpeedConfig, two stage-3 engines, the reference model in bf16: left in fp32, its first
+# loss is 0.69599 instead of DeepSpeed's 0.69141), and tests/dist/test_deepspeed_forward_engine.py checks a
+# partitioned one (bitwise the plain module's forward, parameters sharded after it). Not the reward model:
+# DeepSpeed 0.19.8 stops it in its stage-3 optimizer ("assert len(set(t.dtype for t in tensors)) == 1": the
+# value head, made outside zero.Init, stays fp32 among bf16 parameters), so there is nothing to compare with.
+# zerodp runs it (the value head is cast to bf16 with the rest), but its losses are not its stage 2's (first
+# loss 0.777/0.816 on ranks 0/1 against 0.789/0.738) because the value head starts from other random weights,
+# not because stage 3 computes differently: it is the one parameter not loaded from the checkpoint
+# (RewardModel draws it after from_pretrained), and under HfDeepSpeedConfig transformers 5 builds the model on
+# real tensors, running its initializers (not on the meta device), and resize_token_embeddings builds a new
+# embedding even at the same size (modeling_utils: "not is_deepspeed_zero3_enabled()"), so the global RNG is
+# elsewhere when the head is drawn (DeepSpeed's zero.Init also runs the initializers on full tensors, so it
+# should draw the same head; not checked, it stops before a loss). Measured: every other parameter is equal at
+# initialize, and with the head overwritten by the same values at both stages, the 4 losses on both ranks are
+# bitwise stage 2's. So no case: its reference would be a run with the head's initial values as stage 3 draws them.
+# TRANSFORMERS4_NAMES: shim/sitecustomize.py.
 _CHAT_STEPS = {"sft": "step1_supervised_finetuning", "reward": "step2_reward_model_finetuning",
                "dpo": "step2_dpo_finetuning"}
 _CHAT_ARGS = ("--model_name_or_path", "{model}", "--data_path", "local/jsonfile", "--data_output_path",
@@ -81,6 +95,7 @@ _CHAT = dict(path=("deepspeed_chat",), local_rank=True, needs=("transformers", "
 # 12 (reward model: 0.445 vs 0.402), recorded in expected_deepspeed.json under the stage-0 names. zerodp's stage 0 is bitwise its stages 1 and 2, which are
 # bitwise DeepSpeed's stages 1 and 2 here. (The cause inside DeepSpeed's stage-0 wrapper was not traced.)
 _CHAT_DEFAULT = {("dpo", 2)}  # the default suite's one: two engines (one forward-only), the HF schedule, LoRA-free
+# (DPO at stage 3, ~7 s, stays out of the default suite, which is near its time budget: its engine has a dist test)
 
 
 CASES = [
@@ -104,7 +119,7 @@ CASES = [
            (*_CHAT_ARGS, "--data_split", "10,0,0" if step == "sft" else "0,10,0", "--zero_stage", str(s)),
            bf16=True, default=(step, s) in _CHAT_DEFAULT, compare_with=f"chat-{step}-bf16-stage1" if s == 0 else "",
            **_CHAT)
-      for step in _CHAT_STEPS for s in (0, 1, 2, 3) if s < 3 or step == "sft"],
+      for step in _CHAT_STEPS for s in (0, 1, 2, 3) if s < 3 or step != "reward"],
     # LoRA on the decoder layers, only the LoRA weights trained (frozen parameters, deepspeed.compression.helper).
     # No --output_dir: its save_hf_format calls tokenizer.save_vocabulary, which transformers 5's tokenizers lack.
     Case("chat-sft-lora-bf16-stage2", f"deepspeed_chat/training/{_CHAT_STEPS['sft']}/main.py",
