@@ -7,9 +7,9 @@ Each sharded (non-persistent) stage-3 flat unit's `param_shard` keeps its shape 
 forever (the optimizer's chunks of the fp32 master are views of it: optimizer.py), but its *storage*
 is attached only while the shard is resident (see [Note: freeing storage] in flat/buffer.py). At
 rest the values live in a backing store: one file per shard under nvme_path (`nvme`), or pinned host
-memory when the shard itself lives on a GPU (`cpu`). At most `max_in_cpu` elements are resident at
-once (unset: `buffer_count` shards of the largest size, the gathers' working set); a shard that must be resident (an all-gather or the optimizer reads it) always is, even past
-the bound, as stage 3's needed gathers always proceed.
+memory when the shard itself lives on a GPU (`cpu`). At most `max_in_cpu` elements are resident at once
+(unset: `buffer_count` largest shards, the gathers' working set); a shard that must be (a gather or the
+optimizer reads it) always is, past the bound too.
 
 Shard states (asserted):
 
@@ -41,13 +41,10 @@ on 2 ranks), and would be the largest thing left in memory. A second store (`kin
     GradShard.zero_grad       `zero(shard)`: the values become zeros without any I/O
 A zero shard (`Entry.zero`) is never read or read ahead: acquiring it allocates zeros, which are
 dirty (written before dropped). The step learns norms from GradShard.square_norm() (kept from the
-last delivery), not by reading shards. A zero shard's file holds no disk either (`kind="grad"`): its
-blocks are given back when it is zeroed (punched out, the file keeps its size) and taken again for all
-of them at the start of the next backward (`reserve`, from Stage3Sharding.start_micro_step), so a full
-disk still fails before any gradient is computed, never in the middle of a reduction. Between an
-optimizer step and the next backward, when checkpoints are written, the gradient files take nothing:
-a 3e9-parameter run's checkpoint fits beside its offload files on a disk that cannot hold both with
-12.3 GB of gradient files (bench/results/big_checkpoint.md).
+last delivery), not by reading shards. A zero gradient shard's file holds no disk either: its blocks are
+punched out when it is zeroed and all are taken again at the start of the next backward (`reserve`,
+Stage3Sharding.start_micro_step; a full disk fails there, never inside a reduction). So the gradient
+files take nothing while checkpoints are written (the 3e9 run's: bench/results/big_checkpoint.md).
 """
 
 from __future__ import annotations
@@ -63,7 +60,7 @@ from ..flat.buffer import alloc_storage, free_storage
 from .file_io import DONE, FileIO, IOHandle
 from .run_dir import RankDir
 from .shard_entry import ShardEntry as _Entry, ShardHome
-from .store import FileStore, HostStore
+from .store import FileStore, HostStore, reserve_files
 
 
 class ShardStore:
@@ -142,20 +139,8 @@ class ShardStore:
             entry.backing.release()  # see [Note: gradient shards offloaded]
 
     def reserve(self) -> None:
-        """Take the disk blocks the zero shards gave back, before anything may be written to them; a full disk
-        raises here, naming the space needed, before the backward computes any gradient."""
-        released = [e for e in self.entries.values() if not e.backing.is_host and not e.backing.reserved]
-        if not released:
-            return
-        try:
-            for entry in released:
-                entry.backing.reserve()
-        except OSError as err:
-            need = sum(e.backing.disk_bytes() for e in released if not e.backing.reserved)
-            raise OSError(f"zerodp offload: the {self.kind} shards' files need {need / 2**30:.2f} GiB more under "
-                          f"{self.rank_dir.path} before this backward, and the disk cannot give it ({err}). Files "
-                          f"written there since the last optimizer step (a checkpoint?) took the space: free disk "
-                          f"space, or set nvme_path to a larger disk") from err
+        """Take back the disk blocks zero shards gave up; a full disk raises here, naming the space needed."""
+        reserve_files([e.backing for e in self.entries.values() if not e.backing.is_host], f"{self.kind} shards")
 
     def discard(self, shard: torch.Tensor) -> None:
         """Forget `shard`, whose values are no longer needed: its file and its memory go."""

@@ -162,3 +162,16 @@ class FileStore:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def reserve_files(stores: list[FileStore], what: str) -> None:
+    """`reserve` every store that released its blocks; on a full disk, one error naming the space and the fix."""
+    released = [store for store in stores if not store.reserved]
+    try:
+        for store in released:
+            store.reserve()
+    except OSError as err:
+        need = sum(store.disk_bytes() for store in released if not store.reserved) / 2**30
+        raise OSError(f"zerodp offload: the {what}' files need {need:.2f} GiB more under {released[0].rank_dir.path} "
+                      f"before this backward ({err}); files written there since the last step (a checkpoint?) "
+                      f"took it: free disk space, or set nvme_path to a larger disk") from err
