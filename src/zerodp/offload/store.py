@@ -63,18 +63,21 @@ class HostStore:
         self.regions.clear()
 
 
-def _punch_hole():
-    """libc's fallocate, for FALLOC_FL_PUNCH_HOLE; None where there is none (then nothing is released)."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long), ctypes.c_int
-    return fn
-
-
 _FALLOC_KEEP_SIZE_PUNCH_HOLE = 0x01 | 0x02  # linux/falloc.h: free the blocks, keep the file's size
-_fallocate = _punch_hole()
+_fallocate = None  # libc's fallocate, looked up at the first release (find_library runs a subprocess)
+
+
+def _punch_hole():
+    """libc's fallocate, for FALLOC_FL_PUNCH_HOLE; False where there is none (then nothing is released)."""
+    global _fallocate
+    if _fallocate is None:
+        try:
+            _fallocate = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).fallocate
+            _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+            _fallocate.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _fallocate = False
+    return _fallocate
 
 
 class FileStore:
@@ -127,11 +130,12 @@ class FileStore:
 
     def release(self) -> None:
         """The values are zeros and will be written before they are read: give the disk blocks back."""
-        if not self.reserved or _fallocate is None:
+        fallocate = _punch_hole() if self.reserved else False
+        if not fallocate:
             return
         for key, fd in self.fds.items():
             nbytes = self.numel * self.dtypes[key].itemsize
-            if nbytes and _fallocate(fd, _FALLOC_KEEP_SIZE_PUNCH_HOLE, 0, nbytes) != 0:
+            if nbytes and fallocate(fd, _FALLOC_KEEP_SIZE_PUNCH_HOLE, 0, nbytes) != 0:
                 return  # the file system cannot punch holes: the blocks stay, nothing else changes
         self.reserved = False
 
