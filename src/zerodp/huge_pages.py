@@ -15,30 +15,15 @@ small buffers) this is a no-op, and a refused advice changes nothing but speed.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 import torch
 
+from .libc import libc_function
+
 HUGE_PAGE_BYTES = 2 << 20
 MIN_ADVISED_BYTES = 8 << 20   # below a few huge pages the saving is not worth a system call
 _MADV_HUGEPAGE = 14           # linux/mman.h
-
-_madvise = None
-
-
-def _libc_madvise():
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-                fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-                _madvise = fn
-            except (OSError, AttributeError):
-                pass
-    return _madvise
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
@@ -48,8 +33,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
-    madvise = _libc_madvise() if nbytes >= MIN_ADVISED_BYTES else None
-    if not madvise:
+    if nbytes < MIN_ADVISED_BYTES or not sys.platform.startswith("linux"):
+        return False
+    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    if madvise is None:
         return False
     start = storage.data_ptr()
     lo = (start + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES

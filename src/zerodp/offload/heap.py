@@ -25,9 +25,10 @@ off glibc.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
+
+from ..libc import libc_function
 
 log = logging.getLogger("zerodp")
 
@@ -44,12 +45,8 @@ def map_large_buffers(threshold_bytes: int = LARGE_BUFFER_BYTES) -> bool:
     global _applied
     if _applied:
         return True
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    if mallopt(_M_MMAP_THRESHOLD, threshold_bytes) != 1:
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None or mallopt(_M_MMAP_THRESHOLD, threshold_bytes) != 1:
         return False
     _applied = True
     log.info("zerodp offload: buffers of %d KiB or more are mapped on their own, so freed ones leave RSS "

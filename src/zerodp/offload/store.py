@@ -13,12 +13,12 @@ Bytes are stored as they are; no dtype conversion happens anywhere.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from typing import Optional
 
 import torch
 
+from ..libc import libc_function
 from .file_io import DONE, FileIO, IOHandle
 from .run_dir import RankDir
 
@@ -64,20 +64,6 @@ class HostStore:
 
 
 _FALLOC_KEEP_SIZE_PUNCH_HOLE = 0x01 | 0x02  # linux/falloc.h: free the blocks, keep the file's size
-_fallocate = None  # libc's fallocate, looked up at the first release (find_library runs a subprocess)
-
-
-def _punch_hole():
-    """libc's fallocate, for FALLOC_FL_PUNCH_HOLE; False where there is none (then nothing is released)."""
-    global _fallocate
-    if _fallocate is None:
-        try:
-            _fallocate = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).fallocate
-            _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
-            _fallocate.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            _fallocate = False
-    return _fallocate
 
 
 class FileStore:
@@ -130,8 +116,9 @@ class FileStore:
 
     def release(self) -> None:
         """The values are zeros and will be written before they are read: give the disk blocks back."""
-        fallocate = _punch_hole() if self.reserved else False
-        if not fallocate:
+        fallocate = libc_function("fallocate", (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)) \
+            if self.reserved else None
+        if fallocate is None:  # then nothing is released
             return
         for key, fd in self.fds.items():
             nbytes = self.numel * self.dtypes[key].itemsize
