@@ -144,10 +144,11 @@ def main() -> None:
             checkpointer.kept_bytes.reset_peak()
         peak = measure_step(step, device)
         kept = checkpointer.kept_bytes.peak if checkpointer else {DEVICE: 0, HOST: 0}
-        formula = None if args.tp_model else activation_memory(
+        formula = activation_memory(
             cfg, args.micro_batch, cfg.block_size, 4, checkpointing=keys is not None,
             partition_degree=world if keys and keys.get("partition_activations") else 1,
-            cpu_checkpointing=bool(keys and keys.get("cpu_checkpointing")))
+            cpu_checkpointing=bool(keys and keys.get("cpu_checkpointing")),
+            tensor_parallel=world if args.tp_model else 1)
         rows.append((name, peak, kept[DEVICE], kept[HOST], formula))
     everyone = [rows] if not distributed else [None] * world
     if distributed:

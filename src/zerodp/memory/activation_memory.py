@@ -13,9 +13,13 @@ Per micro-batch of B sequences of T tokens, width C, L blocks, d bytes per eleme
 The activations outside the blocks (embeddings, final LayerNorm, the loss's fp32 log-probabilities)
 are the same in every row. The ZeRO paper gives the same accounting: checkpoints cost one B*T*C
 per layer (B*T*C*d*L in all), Pa divides them by the model-parallel degree, and Pa+cpu leaves
-almost nothing of them on the device. A block's working activations in a tensor-parallel model
-would be split by TP too (its attention and MLP interiors); the bundled GPT's block is not
-tensor-parallel, so A_block is whole here.
+almost nothing of them on the device.
+
+`tensor_parallel=t` describes the Megatron-style GPT (models/tp_gpt.py) on t ranks: of a block's
+16 B*T*C saved elements, the LayerNorms' inputs and outputs (4 B*T*C) stay whole on every rank and
+the attention and MLP interiors (12 B*T*C) are split, as are the attention statistics (H/t heads)
+and the loss's log-probabilities (vocab-parallel, V/t per rank): A_block = (4 + 12/t) B*T*C*d + ...
+The block inputs that checkpointing keeps are replicated on the t ranks, which is what Pa removes.
 """
 
 from __future__ import annotations
@@ -41,15 +45,21 @@ class ActivationMemory:
 
 def activation_memory(cfg: GPTShape, micro_batch: int, seq_len: int, dtype_bytes: int, *,
                       checkpointing: bool = False, partition_degree: int = 1,
-                      cpu_checkpointing: bool = False) -> ActivationMemory:
-    """Peak activation bytes per rank of the bundled GPT (module docstring); Pa and cpu need checkpointing."""
-    if partition_degree < 1:
-        raise ValueError(f"partition_degree must be at least 1, got {partition_degree}")
+                      cpu_checkpointing: bool = False, tensor_parallel: int = 1) -> ActivationMemory:
+    """Peak activation bytes per rank of the bundled GPT, or of the tensor-parallel one on `tensor_parallel`
+    ranks (module docstring); Pa (`partition_degree`) and cpu need checkpointing."""
+    if partition_degree < 1 or tensor_parallel < 1 or cfg.n_head % tensor_parallel:
+        raise ValueError(f"partition_degree ({partition_degree}) and tensor_parallel ({tensor_parallel}) must be at "
+                         f"least 1, and tensor_parallel must divide n_head ({cfg.n_head})")
     if not checkpointing and (partition_degree > 1 or cpu_checkpointing):
-        raise ValueError("partition_activations and cpu_checkpointing act on activation checkpoints: "
+        raise ValueError("partition_activations and cpu_checkpointing act on activation checkpointing: "
                          "switch checkpointing on")
     outside = estimate_activation_bytes(dataclasses.replace(cfg, n_layer=0), micro_batch, seq_len, dtype_bytes)
     block = estimate_activation_bytes(dataclasses.replace(cfg, n_layer=1), micro_batch, seq_len, dtype_bytes) - outside
+    if tensor_parallel > 1:
+        btc, bt, t = micro_batch * seq_len * cfg.n_embd, micro_batch * seq_len, tensor_parallel
+        block -= (12 * btc * dtype_bytes + cfg.n_head * bt * 4) * (1 - 1 / t)  # interiors and heads split
+        outside -= bt * cfg.vocab_size * 4 * (1 - 1 / t)  # vocab-parallel log-probabilities
     if not checkpointing:
         return ActivationMemory(cfg.n_layer * block, 0.0, outside)
     btc = micro_batch * seq_len * cfg.n_embd
