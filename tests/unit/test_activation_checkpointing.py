@@ -233,3 +233,45 @@ def test_placement_and_piece_arithmetic():
     pieces = [keep_piece(x, ModelParallelGroup(None, r, 2)) for r in range(2)]
     assert pieces[0].tolist() == [0, 1, 2, 3] and pieces[1].tolist() == [4, 5, 6, 0]  # last piece zero-padded
     assert pieces[0].data_ptr() != x.data_ptr()  # a copy: the whole input can be freed
+
+
+def test_contiguous_buffers_grow_and_come_back_from_dropped_graphs():
+    buffers = ContiguousBuffers(None)
+    cpu = torch.device("cpu")
+    for count in (2, 2):  # the first forward sizes the buffer; the second uses it
+        slots = [buffers.acquire(0, 5, torch.float32, cpu, False) for _ in range(count)]
+        for s in slots:
+            buffers.release(s)
+    assert buffers.buffer_bytes == 2 * 5 * 4
+    slots = [buffers.acquire(0, 5, torch.float32, cpu, False) for _ in range(3)]  # one more region than slots
+    assert slots[2].view is None  # kept in an ordinary tensor this time
+    for s in slots:
+        buffers.release(s)
+    assert buffers.buffer_bytes == 0  # dropped, to grow at the next forward
+    slots = [buffers.acquire(0, 5, torch.float32, cpu, False) for _ in range(3)]
+    assert buffers.buffer_bytes == 3 * 5 * 4 and all(s.view is not None for s in slots)
+    # A region whose graph is dropped without a backward gives its slot and bytes back.
+    checkpointer = Checkpointer(Settings(contiguous_memory_optimization=True, number_checkpoints=1))
+    x = torch.randn(3, 3, requires_grad=True)
+    for _ in range(3):  # with one slot, a leaked slot would fail the second forward
+        out = checkpointer.checkpoint(torch.tanh, x)
+        assert checkpointer.kept_bytes.live[DEVICE] == 36
+        del out
+    assert checkpointer.kept_bytes.live[DEVICE] == 0
+
+
+def test_deepspeed_helpers_and_module_path():
+    from zerodp.deepspeed.runtime.activation_checkpointing import checkpointing as runtime_path
+
+    assert runtime_path.configure is deepspeed.checkpointing.configure
+    deepspeed.checkpointing.configure(_MPU(), contiguous_checkpointing=True)
+    deepspeed.checkpointing.set_num_layers(5)
+    deepspeed.checkpointing.partition_activations_in_checkpoint(True)
+    settings = zerodp.activations.PROCESS.checkpointer.settings
+    assert (settings.number_checkpoints, settings.partition_activations, settings.contiguous_memory_optimization) \
+        == (5, True, True)
+    deepspeed.checkpointing.model_parallel_cuda_manual_seed(1)
+    deepspeed.checkpointing.model_parallel_reconfigure_tp_seed(4)
+    with deepspeed.checkpointing.get_cuda_rng_tracker().fork():
+        got = torch.rand(2)
+    assert torch.equal(got, torch.rand(2, generator=torch.Generator().manual_seed(4 + 2718)))

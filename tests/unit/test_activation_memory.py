@@ -66,3 +66,15 @@ def test_train_flag_adds_the_section_and_the_summary_shows_it(tmp_path):
             "activation_device_predicted_off": 8192}
     assert "device 2.00 KiB / 2.00 KiB" in render_summary(run, [rank])
     assert "8.00 KiB without checkpointing" in render_summary(run, [rank])
+
+
+def test_tensor_parallel_rows_split_the_block_interiors():
+    b, t = 2, TINY.block_size
+    whole = activation_memory(TINY, b, t, 4, checkpointing=True)
+    split = activation_memory(TINY, b, t, 4, checkpointing=True, tensor_parallel=2)
+    assert split.kept_device == whole.kept_device  # block inputs are replicated on the TP ranks
+    assert split.working < whole.working
+    assert activation_memory(TINY, b, t, 4, checkpointing=True, tensor_parallel=2, partition_degree=2).kept_device \
+        == whole.kept_device / 2
+    with pytest.raises(ValueError, match="divide n_head"):
+        activation_memory(TINY, b, t, 4, tensor_parallel=3)
