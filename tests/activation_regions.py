@@ -40,17 +40,17 @@ class Stack(nn.Module):
 
 
 def train(checkpointer: Checkpointer | None, form: str | None, steps: int = 2, seed: int = 3,
-          model_seed: int = 0, tracker: RNGStatesTracker | None = None) -> dict:
+          model_seed: int = 0, tracker: RNGStatesTracker | None = None, device: str = "cpu") -> dict:
     """`steps` SGD steps; gradients of the last step, final parameters, and the input's gradient."""
-    tracker = tracker if tracker is not None else (checkpointer.tracker if checkpointer else RNGStatesTracker("cpu"))
+    tracker = tracker if tracker is not None else (checkpointer.tracker if checkpointer else RNGStatesTracker(device))
     tracker.reset()
     torch.manual_seed(seed)
     tracker.add("model-parallel-rng", seed + 1000)
-    model = Stack(tracker, model_seed)
+    model = Stack(tracker, model_seed).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {}
     for step in range(steps):
-        x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_()
         h = x * 1.0  # a non-leaf input, as a block's residual stream is
         for i, region in enumerate(model.regions):
             scale = model.scales[i:i + 1]
@@ -64,7 +64,7 @@ def train(checkpointer: Checkpointer | None, form: str | None, steps: int = 2, s
         opt.step()
         opt.zero_grad()
     out["params"] = [p.detach().clone() for p in model.parameters()]
-    out["rng"] = torch.get_rng_state()
+    out["rng"] = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
     return out
 
 
