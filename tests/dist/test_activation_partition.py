@@ -62,7 +62,9 @@ def partition_cases() -> list[str]:
             assert kept.peak[place] == region_input_bytes(parts=2) < region_input_bytes(), (name, kept)
             assert kept.peak[other] == 0 and kept.live == {DEVICE: 0, HOST: 0}, (name, kept)
             checked.append(f"{name}/{form}")
-    # The same through DeepSpeed's module-level API, as Megatron-DeepSpeed calls it.
+    # The same through DeepSpeed's module-level API, as Megatron-DeepSpeed calls it (its tracker on the CPU
+    # generator these regions draw from, also where CUDA exists).
+    zerodp.activations.PROCESS.tracker = RNGStatesTracker("cpu")
     deepspeed.checkpointing.configure(GroupMPU(), deepspeed_config={"activation_checkpointing": {
         "partition_activations": True, "cpu_checkpointing": True}}, num_checkpoints=3)
     process = zerodp.activations.PROCESS.checkpointer

@@ -32,8 +32,10 @@ SETTINGS = {
 
 @pytest.fixture(autouse=True)
 def _fresh_process_checkpointing():
-    """deepspeed.checkpointing is process-wide: each test starts unconfigured."""
+    """deepspeed.checkpointing is process-wide: each test starts unconfigured, its tracker on the CPU generator
+    (the one these tests draw from, also on a machine with CUDA)."""
     zerodp.activations.PROCESS.checkpointer, zerodp.activations.PROCESS.mpu = None, None
+    zerodp.activations.PROCESS.tracker = RNGStatesTracker("cpu")
     yield
     zerodp.activations.PROCESS.checkpointer, zerodp.activations.PROCESS.mpu = None, None
 
