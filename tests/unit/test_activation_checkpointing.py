@@ -277,3 +277,19 @@ def test_deepspeed_helpers_and_module_path():
     with deepspeed.checkpointing.get_cuda_rng_tracker().fork():
         got = torch.rand(2)
     assert torch.equal(got, torch.rand(2, generator=torch.Generator().manual_seed(4 + 2718)))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_recomputation_keeps_the_forwards_autocast(form):
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)  # the re-entrant form needs an input that requires grad
+
+    def grads(checkpointer):
+        layers.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # backward runs outside it, as in a training loop
+            out = layers(x) if checkpointer is None else getattr(checkpointer, form)(layers, x)
+        out.float().pow(2).sum().backward()
+        return [p.grad.clone() for p in layers.parameters()]
+
+    for a, b in zip(grads(None), grads(Checkpointer(Settings()))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # bf16 recomputed in bf16: the same values

@@ -10,7 +10,8 @@ Two forms, DeepSpeed's and torch's:
     graph would save is replaced by a placeholder (saved-tensor hooks); the first placeholder
     backward unpacks triggers the recomputation, which fills all of them in order. Works when no
     input requires grad, and with `torch.autograd.grad`.
-Both keep only the kept inputs between forward and backward. Keyword tensor arguments are inputs
+Both keep only the kept inputs between forward and backward, and recompute under the forward's
+random states and autocast state. Keyword tensor arguments are inputs
 like positional ones. A region called while grad is off saves nothing and keeps nothing.
 
 ZeRO stage 3 gathers a region's parameters through module hooks, which fire in the recomputation
@@ -32,7 +33,7 @@ from .host_offload import HostOffload
 from .kept_inputs import KeepPolicy, KeptBytes, KeptInputs
 from .model_parallel import ModelParallelGroup
 from .rng_tracker import RNGSnapshot, RNGStatesTracker
-from .region import bind_keywords, split_outputs
+from .region import autocast_as, bind_keywords, capture_autocast, split_outputs
 
 log = logging.getLogger("zerodp.activations")
 
@@ -136,7 +137,7 @@ class _ReentrantRegion(torch.autograd.Function):
         with checkpointer._boundary("forward"):
             ctx.checkpointer, ctx.run = checkpointer, run
             ctx.kept = checkpointer.keep(args)  # before the forward: a region may modify its input in place
-            ctx.rng = RNGSnapshot.capture(checkpointer.tracker)
+            ctx.rng, ctx.autocast = RNGSnapshot.capture(checkpointer.tracker), capture_autocast()
             with torch.no_grad():
                 outputs = run(*args)
         ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
@@ -150,7 +151,7 @@ class _ReentrantRegion(torch.autograd.Function):
         with ctx.checkpointer._boundary("backward"):
             inputs = ctx.kept.restore()
             ctx.kept = None  # the kept bytes go now: the restored inputs replace them
-            with ctx.rng.restored(), torch.enable_grad():
+            with ctx.rng.restored(), torch.enable_grad(), autocast_as(ctx.autocast):
                 outputs = ctx.run(*inputs)
             pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
             if pairs:
@@ -170,7 +171,7 @@ class _Recomputation:
     def __init__(self, checkpointer: Checkpointer, run: Callable, args: tuple):
         self.checkpointer, self.run = checkpointer, run
         self.kept: Optional[KeptInputs] = checkpointer.keep(args)
-        self.rng = RNGSnapshot.capture(checkpointer.tracker)
+        self.rng, self.autocast = RNGSnapshot.capture(checkpointer.tracker), capture_autocast()
         self.placeholders: list[weakref.ref] = []
         self.values: "weakref.WeakKeyDictionary[_Placeholder, torch.Tensor]" = weakref.WeakKeyDictionary()
 
@@ -206,5 +207,6 @@ class _Recomputation:
             def refuse(_: None) -> torch.Tensor:
                 raise RuntimeError("the recomputation's own graph is never run backward")
 
-            with self.rng.restored(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(fill, refuse):
+            with self.rng.restored(), torch.enable_grad(), autocast_as(self.autocast), \
+                    torch.autograd.graph.saved_tensors_hooks(fill, refuse):
                 self.run(*inputs)

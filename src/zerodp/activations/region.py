@@ -1,5 +1,6 @@
 """The calling convention of a checkpointed region: keyword arguments folded into positional ones,
-and outputs split into the tensors autograd tracks and the rest.
+outputs split into the tensors autograd tracks and the rest, and the autocast state the forward ran
+under, re-entered for the recomputation (which runs in backward, outside the caller's autocast).
 
 DeepSpeed's `checkpoint(function, *args, **kwargs)` treats a keyword tensor like a positional one
 (it is kept, restored and gets a gradient); so does zerodp. Outputs may be a tensor, or a tuple or
@@ -8,7 +9,12 @@ list mixing tensors and other values; the region returns the same structure.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def bind_keywords(function: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
@@ -25,8 +31,6 @@ def bind_keywords(function: Callable, args: tuple, kwargs: dict) -> tuple[Callab
 
 def split_outputs(outputs: Any) -> tuple[tuple, Callable[[tuple], Any]]:
     """(the tensors among `outputs`, a function putting new tensors back in their places)."""
-    import torch
-
     if isinstance(outputs, torch.Tensor):
         return (outputs,), lambda tensors: tensors[0]
     if not isinstance(outputs, (tuple, list)):
@@ -43,3 +47,18 @@ def split_outputs(outputs: Any) -> tuple[tuple, Callable[[tuple], Any]]:
         return kind(values) if kind in (tuple, list) else kind(*values)
 
     return tuple(outputs[i] for i in where), rebuild
+
+
+def capture_autocast() -> dict[str, tuple[bool, torch.dtype]]:
+    """Whether autocast is on, and its dtype, for each device type (at a region's forward)."""
+    return {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in AUTOCAST_DEVICES}
+
+
+@contextlib.contextmanager
+def autocast_as(state: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
+    """Run the block under the captured autocast state (the recomputation must cast as the forward did)."""
+    with contextlib.ExitStack() as stack:
+        for device, (enabled, dtype) in state.items():
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
