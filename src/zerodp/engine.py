@@ -373,7 +373,7 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
         optimizer, config = vissl_initialize_args(model, config)
     config = load_config(config)
     if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
-        activations.PROCESS.configure(config.activation_checkpointing)
+        activations.PROCESS.adopt(config.activation_checkpointing)
     watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
     comm.init_distributed()
     return ZeroEngine(model, optimizer, config, process_group, cast_inputs)

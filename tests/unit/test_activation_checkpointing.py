@@ -293,3 +293,17 @@ def test_recomputation_keeps_the_forwards_autocast(form):
 
     for a, b in zip(grads(None), grads(Checkpointer(Settings()))):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # bf16 recomputed in bf16: the same values
+
+
+def test_an_explicit_configure_survives_the_engine_section():
+    """Megatron-DeepSpeed configures (with num_checkpoints) before deepspeed.initialize reads the same file."""
+    config = {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {"cpu_checkpointing": True}}
+    deepspeed.checkpointing.configure(None, deepspeed_config=config, num_checkpoints=4)
+    model = torch.nn.Linear(2, 2)
+    zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    assert zerodp.activations.PROCESS.checkpointer.settings.number_checkpoints == 4
+    zerodp.activations.PROCESS.checkpointer = None  # an engine's section replaces another engine's
+    for cpu in (True, False):
+        zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          {**config, "activation_checkpointing": {"cpu_checkpointing": cpu}})
+        assert zerodp.activations.PROCESS.checkpointer.settings.cpu_checkpointing is cpu
