@@ -183,8 +183,8 @@ def test_partition_without_mpu_is_an_error():
     with pytest.raises(ValueError, match="no model-parallel unit"):
         deepspeed.checkpointing.configure(None, partition_activations=True)
     with pytest.raises(ValueError, match="no model-parallel unit"):
-        zerodp.initialize(torch.nn.Linear(2, 2), torch.optim.SGD, {"train_micro_batch_size_per_gpu": 1,
-                                                                  "activation_checkpointing": {"partition_activations": True}})
+        zerodp.initialize(torch.nn.Linear(2, 2), torch.optim.SGD, {
+            "train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {"partition_activations": True}})
     with pytest.raises(TypeError, match="not a model-parallel unit"):
         deepspeed.checkpointing.configure(3)
 

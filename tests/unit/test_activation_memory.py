@@ -25,7 +25,8 @@ def test_rows_fall_as_zero_r_says():
     checkpoint_bytes = TINY.n_layer * b * t * TINY.n_embd * d  # one B*T*C per block
     assert on.kept_device == checkpoint_bytes and on.device < off.device
     assert (cpu.kept_device, cpu.kept_host) == (0, checkpoint_bytes)
-    assert pa.kept_device == checkpoint_bytes / 4 and (pa_cpu.kept_device, pa_cpu.kept_host) == (0, checkpoint_bytes / 4)
+    assert pa.kept_device == checkpoint_bytes / 4
+    assert (pa_cpu.kept_device, pa_cpu.kept_host) == (0, checkpoint_bytes / 4)
     assert cpu.working == on.working == pa.working  # the recomputed block and the rest are not partitioned
     with pytest.raises(ValueError, match="switch checkpointing on"):
         activation_memory(TINY, b, t, d, cpu_checkpointing=True)
