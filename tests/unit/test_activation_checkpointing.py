@@ -190,12 +190,18 @@ def test_partition_without_mpu_is_an_error():
 
 
 def test_config_section():
-    config = load_config({"activation_checkpointing": {"cpu_checkpointing": True, "number_checkpoints": 4}})
+    config = load_config({"activation_checkpointing": {"cpu_checkpointing": True, "number_checkpoints": 4,
+                                                       "contiguous_memory_optimization": True}})
     assert config.activation_checkpointing.cpu_checkpointing and config.activation_checkpointing.number_checkpoints == 4
     with pytest.raises(ConfigError, match="did you mean 'partition_activations'"):
         load_config({"activation_checkpointing": {"partition_activation": True}})
     with pytest.raises(ConfigError, match="number_checkpoints"):
-        load_config({"activation_checkpointing": {"number_checkpoints": 0}})
+        load_config({"activation_checkpointing": {"number_checkpoints": 0, "contiguous_memory_optimization": True}})
+    with pytest.raises(ConfigError, match="would have no effect"):
+        load_config({"activation_checkpointing": {"number_checkpoints": 4}})
+    # Megatron passes num_checkpoints on every run: accepted through configure, unused without buffers
+    deepspeed.checkpointing.configure(None, num_checkpoints=4)
+    assert zerodp.activations.PROCESS.checkpointer.settings.number_checkpoints is None
     for field in Settings.model_fields.values():
         assert field.description, "every key is documented"
 
@@ -297,7 +303,8 @@ def test_recomputation_keeps_the_forwards_autocast(form):
 
 def test_an_explicit_configure_survives_the_engine_section():
     """Megatron-DeepSpeed configures (with num_checkpoints) before deepspeed.initialize reads the same file."""
-    config = {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {"cpu_checkpointing": True}}
+    config = {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {
+        "cpu_checkpointing": True, "contiguous_memory_optimization": True}}
     deepspeed.checkpointing.configure(None, deepspeed_config=config, num_checkpoints=4)
     model = torch.nn.Linear(2, 2)
     zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .strict import StrictModel
 
@@ -43,6 +43,14 @@ class ActivationCheckpointingConfig(StrictModel):
                                                   "(debugging and timing; nothing to wait for on a CPU device).")
     profile: bool = Field(False, description="Log each checkpointed region's forward and backward time "
                           "(checkpointer.timings keeps them).")
+
+    @model_validator(mode="after")
+    def _count_needs_buffers(self) -> "ActivationCheckpointingConfig":
+        if self.number_checkpoints is not None and not self.contiguous_memory_optimization:
+            raise ValueError(f"number_checkpoints={self.number_checkpoints} sizes the contiguous buffers, and "
+                             f"contiguous_memory_optimization is false, so it would have no effect: remove it, or "
+                             f"set contiguous_memory_optimization to true")
+        return self
 
     @property
     def keeps_whole_on_device(self) -> bool:

@@ -19,6 +19,8 @@ Where this differs from DeepSpeed on purpose (docs/activations.md):
     partitioning; its code no longer does);
   - contiguous_checkpointing works without partition_activations and without num_checkpoints
     (DeepSpeed asserts on both); unset, the buffers are sized by the first forward;
+  - `num_checkpoints` without contiguous buffers is accepted and unused (Megatron passes it on every run);
+    in a config file, `number_checkpoints` without `contiguous_memory_optimization` is an error;
   - partitioning pads instead of asserting when an input's size is not a multiple of TP;
   - the RNG tracker works on a CPU-only machine (it forks the CPU generator there).
 """
@@ -78,11 +80,14 @@ def configure(mpu_: Optional[Any], deepspeed_config: Any = None, partition_activ
                  "contiguous_memory_optimization": contiguous_checkpointing,
                  "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
                  "synchronize_checkpoint_boundary": synchronize, "profile": profile}
+    if num_checkpoints is not None and not (contiguous_checkpointing if contiguous_checkpointing is not None
+                                            else values.get("contiguous_memory_optimization", False)):
+        # Megatron-DeepSpeed passes num_checkpoints=num_layers on every run; only contiguous buffers use it.
+        log.info("activation checkpointing: num_checkpoints=%s is used only by contiguous_checkpointing, which is "
+                 "off", num_checkpoints)
+        overrides["number_checkpoints"] = None
     values.update({key: value for key, value in overrides.items() if value is not None})
-    try:
-        settings = ActivationCheckpointingConfig(**values)
-    except Exception as err:  # pydantic's ValidationError: one message naming the key
-        raise ConfigError(f"activation_checkpointing: {err}") from None
+    settings = _settings(values)
     checkpointer = PROCESS.configure(settings, mpu_)
     log.info("activation checkpointing: partition_activations=%s cpu_checkpointing=%s contiguous=%s "
              "(number_checkpoints=%s) synchronize=%s profile=%s, model-parallel size %d",
@@ -126,10 +131,18 @@ def partition_activations_in_checkpoint(partition_activation: bool) -> None:
 
 
 def set_num_layers(nlayers: int) -> None:
-    """Set number_checkpoints (the contiguous buffers' slot count), keeping the other settings."""
+    """Set number_checkpoints (the contiguous buffers' slot count), keeping the other settings; an error
+    when contiguous buffers are off (the count would have no effect)."""
     _update(number_checkpoints=int(nlayers))
 
 
 def _update(**changes: Any) -> None:
     current = PROCESS.checkpointer.settings if PROCESS.checkpointer is not None else ActivationCheckpointingConfig()
-    PROCESS.configure(ActivationCheckpointingConfig(**{**current.model_dump(), **changes}))
+    PROCESS.configure(_settings({**current.model_dump(), **changes}))
+
+
+def _settings(values: dict) -> ActivationCheckpointingConfig:
+    try:
+        return ActivationCheckpointingConfig(**values)
+    except Exception as err:  # pydantic's ValidationError: one message naming the key
+        raise ConfigError(f"activation_checkpointing: {err}") from None
