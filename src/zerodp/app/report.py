@@ -73,27 +73,6 @@ def _pair(measured: float, predicted: float) -> str:
     return f"{format_bytes(measured)} / {format_bytes(predicted)}"
 
 
-def activation_report(args, micro_batch: int) -> dict:
-    """This rank's activation figures: checkpoints kept (measured peak, device and host) and the formula's
-    prediction with the run's settings, and without checkpointing (memory/activation_memory.py)."""
-    from ..activations import DEVICE, HOST, PROCESS
-    from ..memory.activation_memory import activation_memory
-    from ..models.gpt import MODEL_PRESETS
-
-    section = args.config.get("activation_checkpointing")
-    elem = 4 if args.precision == "fp32" else 2
-    shape = (MODEL_PRESETS[args.model], micro_batch, args.seq_len, elem)
-    off = activation_memory(*shape)
-    out = {"activation_checkpointing": section is not None, "activation_device_predicted_off": off.device}
-    if section is not None:
-        on = activation_memory(*shape, checkpointing=True, cpu_checkpointing=bool(section.get("cpu_checkpointing")))
-        kept = PROCESS.current().kept_bytes.peak
-        out.update(activation_kept_device=kept[DEVICE], activation_kept_host=kept[HOST],
-                   activation_kept_device_predicted=on.kept_device, activation_kept_host_predicted=on.kept_host,
-                   activation_device_predicted=on.device)
-    return out
-
-
 def render_summary(run: dict, ranks: list[dict]) -> str:
     """The end-of-run table: per-rank model-state bytes (measured / predicted), peak RSS, then the run.
 
@@ -181,3 +160,24 @@ def plot_loss(out_dir: Path, rows: list[dict], val_loss: Optional[float], title:
     fig.savefig(path)
     plt.close(fig)
     return path, ""
+
+
+def activation_report(args, micro_batch: int) -> dict:
+    """This rank's activation figures: checkpoints kept (measured peak, device and host) and the formula's
+    prediction with the run's settings, and without checkpointing (memory/activation_memory.py)."""
+    from ..activations import DEVICE, HOST, PROCESS
+    from ..memory.activation_memory import activation_memory
+    from ..models.gpt import MODEL_PRESETS
+
+    section = args.config.get("activation_checkpointing")
+    elem = 4 if args.precision == "fp32" else 2
+    shape = (MODEL_PRESETS[args.model], micro_batch, args.seq_len, elem)
+    off = activation_memory(*shape)
+    out = {"activation_checkpointing": section is not None, "activation_device_predicted_off": off.device}
+    if section is not None:
+        on = activation_memory(*shape, checkpointing=True, cpu_checkpointing=bool(section.get("cpu_checkpointing")))
+        kept = PROCESS.current().kept_bytes.peak
+        out.update(activation_kept_device=kept[DEVICE], activation_kept_host=kept[HOST],
+                   activation_kept_device_predicted=on.kept_device, activation_kept_host_predicted=on.kept_host,
+                   activation_device_predicted=on.device)
+    return out
