@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import comm
+from . import activations, comm
 from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
@@ -372,6 +372,8 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
         from .optim.vissl_optimizer import vissl_initialize_args
         optimizer, config = vissl_initialize_args(model, config)
     config = load_config(config)
+    if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
+        activations.PROCESS.adopt(config.activation_checkpointing)
     watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
     comm.init_distributed()
     return ZeroEngine(model, optimizer, config, process_group, cast_inputs)

@@ -106,6 +106,16 @@ def render_summary(run: dict, ranks: list[dict]) -> str:
     def row(name: str, value) -> None:
         lines.append(f"{name:<16}{value}")
 
+    r = ranks[0] if ranks else {}
+    if r.get("activation_checkpointing"):
+        row("activations", f"checkpoints kept per rank, measured / predicted: device "
+            f"{_pair(r['activation_kept_device'], r['activation_kept_device_predicted'])}, host "
+            f"{_pair(r['activation_kept_host'], r['activation_kept_host_predicted'])}; activation peak predicted "
+            f"{format_bytes(r['activation_device_predicted'])} per rank "
+            f"({format_bytes(r['activation_device_predicted_off'])} without checkpointing)")
+    elif "activation_device_predicted_off" in r:
+        row("activations", f"not checkpointed: {format_bytes(r['activation_device_predicted_off'])} per rank "
+            f"predicted (--checkpoint-activations keeps only each block's input; zerodp estimate --model)")
     row("tokens/s", f"{run['tokens_per_s']:,.0f} (all ranks, mean over the timed steps)")
     row("step time", f"{run['step_time_s']:.3f} s (mean)")
     row("loss", f"{run['initial_loss']:.4f} -> {run['final_loss']:.4f} (train; final is the mean of the "
@@ -150,3 +160,24 @@ def plot_loss(out_dir: Path, rows: list[dict], val_loss: Optional[float], title:
     fig.savefig(path)
     plt.close(fig)
     return path, ""
+
+
+def activation_report(args, micro_batch: int) -> dict:
+    """This rank's activation figures: checkpoints kept (measured peak, device and host) and the formula's
+    prediction with the run's settings, and without checkpointing (memory/activation_memory.py)."""
+    from ..activations import DEVICE, HOST, PROCESS
+    from ..memory.activation_memory import activation_memory
+    from ..models.gpt import MODEL_PRESETS
+
+    section = args.config.get("activation_checkpointing")
+    elem = 4 if args.precision == "fp32" else 2
+    shape = (MODEL_PRESETS[args.model], micro_batch, args.seq_len, elem)
+    off = activation_memory(*shape)
+    out = {"activation_checkpointing": section is not None, "activation_device_predicted_off": off.device}
+    if section is not None:
+        on = activation_memory(*shape, checkpointing=True, cpu_checkpointing=bool(section.get("cpu_checkpointing")))
+        kept = PROCESS.current().kept_bytes.peak
+        out.update(activation_kept_device=kept[DEVICE], activation_kept_host=kept[HOST],
+                   activation_kept_device_predicted=on.kept_device, activation_kept_host_predicted=on.kept_host,
+                   activation_device_predicted=on.device)
+    return out

@@ -37,7 +37,7 @@ from . import run_folder
 from .corpus import ByteCorpus
 from ..models.gpt import GPT, MODEL_PRESETS, lm_loss
 from .train_args import TrainArgs, under_torchrun
-from .report import MetricsLog, format_log_line, plot_loss, read_metrics, render_summary
+from .report import MetricsLog, activation_report, format_log_line, plot_loss, read_metrics, render_summary
 
 WARMUP_FRACTION = 0.05   # linear warm-up over the first 5% of steps, then cosine decay to 10% of lr
 VAL_BATCHES = 8          # micro-batches per rank for the validation loss
@@ -178,6 +178,8 @@ def _run_worker(args: TrainArgs) -> dict:
     torch.manual_seed(args.seed)
     model = GPT(MODEL_PRESETS[args.model], seed=args.seed).to(_device())
     engine = zerodp.initialize(model, _build_optimizer(model, args), args.config)
+    if "activation_checkpointing" in args.config:  # --checkpoint-activations, or the config's section
+        model.checkpoint_fn = zerodp.activations.checkpoint  # as the section configured it (in initialize)
     try:
         return _train(engine, args, model, out, rank, world, wall_start)
     finally:
@@ -275,6 +277,7 @@ def _finish(engine, corpus: ByteCorpus, args: TrainArgs, history: list[dict], nu
     checkpoint, checkpoint_note = _save_checkpoint(engine, args, args.steps)
     val_loss = evaluate(engine, corpus, args)
     sample = sample_text(engine, args)
+    report.update(activation_report(args, engine.micro_batch_size))
     report["peak_rss_bytes"] = _peak_rss_bytes()
     report["peak_cuda_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     ranks = comm.all_gather_object(report)

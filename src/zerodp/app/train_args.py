@@ -114,6 +114,8 @@ def resolve_train_args(opts: dict) -> TrainArgs:
         config["train_micro_batch_size_per_gpu"] = opts["micro_batch"]
     elif "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
         config["train_micro_batch_size_per_gpu"] = DEFAULT_MICRO_BATCH
+    if opts.get("checkpoint_activations"):  # an empty section: checkpointing with DeepSpeed's defaults
+        config = _deep_merge(config, {"activation_checkpointing": {}})
     if opts.get("precision") is not None:
         p = opts["precision"]
         config = _deep_merge(config, {"bf16": {"enabled": p == "bf16"}, "fp16": {"enabled": p == "fp16"}})

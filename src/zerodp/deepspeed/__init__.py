@@ -94,7 +94,7 @@ from .. import comm as _comm
 from ..config import ConfigError, load_config
 from ..engine import initialize as zerodp_initialize
 from ..optim.inner import build_from_section, build_from_sections
-from . import accelerator, comm, moe, ops, runtime, utils, zero
+from . import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
 from .forward_engine import ForwardEngine
