@@ -4,7 +4,7 @@
 (DeepSpeed's and the README's) build their model on the CPU: DeepSpeed's engine moves it to
 `cuda:LOCAL_RANK`. zerodp's rule, for `zerodp.initialize`, the DeepSpeed adapter and `init_context`:
 
-    when the process group is NCCL, every parameter and buffer on the CPU is moved to cuda:LOCAL_RANK;
+    when the process group is NCCL (or DeepSpeed's "cpu:gloo,cuda:nccl"), every parameter and buffer on the CPU is moved to cuda:LOCAL_RANK;
     on any other backend (gloo), or without a process group, nothing moves.
 
 So a CPU run changes in nothing (gloo), and a single process without torchrun trains where the script
@@ -26,11 +26,13 @@ import torch
 from torch import nn
 
 from . import comm
+from .comm.backend import nccl_serves_cuda
 
 
 def training_device(backend: str, local_rank: int) -> Optional[torch.device]:
-    """The device CPU tensors must move to under `backend` ("nccl": cuda:local_rank), or None: leave them."""
-    return torch.device("cuda", local_rank) if backend == "nccl" else None
+    """The device CPU tensors must move to under `backend` (NCCL, also as "cpu:gloo,cuda:nccl":
+    cuda:local_rank), or None: leave them."""
+    return torch.device("cuda", local_rank) if nccl_serves_cuda(backend) else None
 
 
 def rank_training_device(process_group: comm.ProcessGroup = None) -> Optional[torch.device]:

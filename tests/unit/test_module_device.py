@@ -21,6 +21,9 @@ init_context_mod = importlib.import_module("zerodp.stage3.init_context")  # the 
 def test_the_rule_as_data():
     assert module_device.training_device("nccl", 0) == torch.device("cuda", 0)
     assert module_device.training_device("nccl", 3) == torch.device("cuda", 3)
+    # DeepSpeed's init_distributed(dist_backend="cpu:gloo,cuda:nccl") names the group so (dist.get_backend)
+    assert module_device.training_device("cpu:gloo,cuda:nccl", 0) == torch.device("cuda", 0)
+    assert module_device.training_device("cpu:gloo", 0) is None
     assert module_device.training_device("gloo", 0) is None  # a CPU run changes in nothing
     assert module_device.training_device("none", 0) is None  # no process group: where the script put it
 

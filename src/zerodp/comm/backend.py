@@ -29,6 +29,13 @@ def default_backend() -> str:
     return choose_backend(torch.cuda.is_available(), dist.is_nccl_available())
 
 
+def nccl_serves_cuda(backend: str) -> bool:
+    """Does a group of `backend` (as `dist.get_backend` names it) reduce CUDA tensors with NCCL? "nccl" and
+    DeepSpeed's device list "cpu:gloo,cuda:nccl" do (torch keeps the list as the group's backend name)."""
+    entries = [e.strip().lower() for e in backend.split(",")]
+    return any(e == "nccl" or [p.strip() for p in e.split(":", 1)] == ["cuda", "nccl"] for e in entries)
+
+
 def usable_backend_entries(dist_backend: str, available: dict[str, bool]) -> str:
     """`dist_backend` ("cpu:gloo,cuda:nccl") without the `device:backend` entries that cannot serve here.
 
