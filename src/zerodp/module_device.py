@@ -4,7 +4,8 @@
 (DeepSpeed's and the README's) build their model on the CPU: DeepSpeed's engine moves it to
 `cuda:LOCAL_RANK`. zerodp's rule, for `zerodp.initialize`, the DeepSpeed adapter and `init_context`:
 
-    when the process group is NCCL (or DeepSpeed's "cpu:gloo,cuda:nccl"), every parameter and buffer on the CPU is moved to cuda:LOCAL_RANK;
+    when the process group is NCCL (or DeepSpeed's "cpu:gloo,cuda:nccl"), every parameter and buffer
+    on the CPU is moved to cuda:LOCAL_RANK;
     on any other backend (gloo), or without a process group, nothing moves.
 
 So a CPU run changes in nothing (gloo), and a single process without torchrun trains where the script
