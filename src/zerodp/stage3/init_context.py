@@ -17,7 +17,10 @@ Initialization code that runs later in the block (`reset_parameters`, `nn.init.*
 touched, at which point it is partitioned again: rank 0's values are broadcast first, so ranks
 that drew different random numbers still agree. Every rank therefore draws the same random
 numbers on full-size tensors as a plain construction would: a model built here equals, value for
-value, the same model built without it from the same seed.
+value, the same model built without it from the same seed. Under NCCL the slices and the gathered
+parameters live on the rank's GPU (NCCL gathers CUDA tensors only; [Note: a CPU-built model under
+NCCL] in zerodp/module_device.py), so initializers draw from the CUDA generator, as under DeepSpeed's
+zero.Init: the model equals the same model built on that GPU.
 
 On exit the slices are converted to the compute dtype (bf16/fp16 in the config), so that the
 engine's `model.to(dtype)` has nothing left to do for them. `zerodp.initialize` then lays the
