@@ -55,8 +55,10 @@ def _torchrun(mode: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_deepspeed_script_with_a_cpu_built_model(tmp_path):
-    r = _torchrun("deepspeed", tmp_path / "ds.json")
+@pytest.mark.parametrize("mode", ["deepspeed", "zero_init"])
+def test_deepspeed_script_with_a_cpu_built_model(tmp_path, mode):
+    """Built on the CPU (deepspeed) or under zero.Init (zero_init), trained at stage 3 on cuda:0."""
+    r = _torchrun(mode, tmp_path / f"{mode}.json")
     assert r["backend"] == "cpu:gloo,cuda:nccl"  # NCCL kept: a GPU is visible
     assert r["engine_device"] == "cuda:0" and r["param_devices"] == ["cuda:0"]
     assert r["optimizer_holds_model_params"]  # the optimizer built over the CPU parameters still holds them

@@ -58,7 +58,7 @@ def test_cuda_parity(nccl_group, stage, precision):
         losses.append(loss.item())
     assert engine.global_step == STEPS
     with zerodp.gathered_parameters(model.parameters()):  # stage 3: full values; other stages: as they are
-        params = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+        params = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
     engine.close()
     if precision == "fp32":
         ref_losses, ref_params = _fp32_reference()
