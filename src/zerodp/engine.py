@@ -33,6 +33,7 @@ from .flat.grad_arithmetic import GradArithmetic
 from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
+from .module_device import place_module
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
@@ -376,4 +377,5 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
         activations.PROCESS.adopt(config.activation_checkpointing)
     watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
     comm.init_distributed()
+    place_module(model, process_group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
     return ZeroEngine(model, optimizer, config, process_group, cast_inputs)

@@ -73,10 +73,21 @@ def _pair(measured: float, predicted: float) -> str:
     return f"{format_bytes(measured)} / {format_bytes(predicted)}"
 
 
+def _cuda_peak(rank: dict) -> str:
+    """A CUDA rank's peak device memory beside its peak RSS: measured / predicted (memory/peak_device.py)."""
+    measured = rank.get("peak_cuda_bytes")
+    if measured is None:
+        return ""
+    predicted = rank.get("peak_cuda_bytes_predicted")
+    return (f"; CUDA peak {format_bytes(measured)} / "
+            + ("-" if predicted is None else format_bytes(predicted)))
+
+
 def render_summary(run: dict, ranks: list[dict]) -> str:
     """The end-of-run table: per-rank model-state bytes (measured / predicted), peak RSS, then the run.
 
-    `ranks` holds one `MemoryReport.as_dict()` per rank plus `peak_rss_bytes`; `run` holds the
+    `ranks` holds one `MemoryReport.as_dict()` per rank plus `peak_rss_bytes` (and on CUDA `peak_cuda_bytes`,
+    `peak_cuda_bytes_predicted`: printed in the peak column as "RSS; CUDA peak measured / predicted"); `run` holds the
     figures named below (None where a figure does not exist, e.g. no checkpoint).
     """
     lines = [f"zerodp train summary: stage {run['stage']}, {run['world_size']} rank(s), model {run['model']} "
@@ -91,9 +102,7 @@ def render_summary(run: dict, ranks: list[dict]) -> str:
         lines.append(f"| {r['rank']} | {_pair(r['params_bytes'], r['params_bytes_predicted'])} | "
                      f"{_pair(r['grads_bytes'], r['grads_bytes_predicted'])} | "
                      f"{_pair(r['optimizer_bytes'], r['optimizer_bytes_predicted'])} | "
-                     f"{_pair(measured, predicted)} | {format_bytes(r['peak_rss_bytes'])}"
-                     + (f" (CUDA peak {format_bytes(r['peak_cuda_bytes'])})" if r.get("peak_cuda_bytes") else "")
-                     + " |")
+                     f"{_pair(measured, predicted)} | {format_bytes(r['peak_rss_bytes'])}{_cuda_peak(r)} |")
     padding = ranks[0].get("padding_numel", 0) if ranks else 0
     lines.append(f"(measured exceeds predicted by the {padding} padding element(s) that make shards even; the "
                  f"gradient column is what is allocated at the end of a step)")

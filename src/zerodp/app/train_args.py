@@ -19,6 +19,7 @@ import torch
 from ..config import load_config
 from ..errors import UsageError
 from . import run_folder
+from .device import default_nproc, visible_gpus
 from ..models.gpt import MODEL_PRESETS
 
 DEFAULT_STAGE = 3
@@ -123,11 +124,12 @@ def resolve_train_args(opts: dict) -> TrainArgs:
         config = _deep_merge(config, {"optimizer": {"params": {"lr": opts["lr"]}}})
     validated = load_config(config)  # raises ConfigError
 
-    nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else pick("nproc", 2)
+    gpus = visible_gpus()
+    # default: one rank per GPU there is, 2 CPU ranks without one (device.default_nproc)
+    nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else pick("nproc", default_nproc(gpus))
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
     validated.resolve_batch(nproc)  # raises ConfigError when the batch keys disagree with the world size
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and not under_torchrun() and nproc > gpus:
         raise UsageError(f"--nproc {nproc} is more than the {gpus} GPU(s); with CUDA each rank needs its own GPU")
     if validated.optimizer is not None:

@@ -94,8 +94,8 @@ def _add_train(sub) -> None:
     p.add_argument("--stage", type=int, choices=range(4), metavar="{0,1,2,3}",
                    help=f"ZeRO stage: 0 plain data parallel, 1 shards optimizer states, 2 also gradients, 3 also "
                         f"parameters (default {DEFAULT_STAGE}; sets zero_optimization.stage)")
-    p.add_argument("--nproc", type=int, metavar="N", help="local ranks to launch, one process each (default 2; "
-                   "more than the CPU cores is allowed but warned about)")
+    p.add_argument("--nproc", type=int, metavar="N", help="local ranks to launch, one process each (default: one per "
+                   "GPU there is, 2 without a GPU; more than the CPU cores is allowed but warned about)")
     p.add_argument("--steps", type=int, metavar="S", help=f"optimizer steps of the whole run, counting steps "
                    f"done before a --resume (default {DEFAULT_STEPS})")
     p.add_argument("--model", choices=list(MODEL_PRESETS), help="GPT preset (default small, ~3.3M parameters; "
