@@ -139,8 +139,12 @@ def write_tensor_file(path: Path, tensors: Union[Mapping[str, torch.Tensor], Ten
                 raise CheckpointError(f"internal error: tensor {key!r} ({t.dtype}, {t.numel()} elements) does not "
                                       f"match the header's entry {spec}; the file {path} is incomplete")
             if t.numel():
-                # one tensor at a time reaches the CPU, so a GPU shard is never copied whole
-                out.write(tensor_bytes(t.detach().reshape(-1).contiguous().cpu()))
+                # one tensor at a time reaches the CPU, so a GPU shard is never copied whole. `host` is a
+                # copy for a GPU or non-contiguous `t`: held by name until written ([Note: a raw address
+                # does not own its tensor]; tensor_bytes holds it too).
+                host = t.detach().reshape(-1).contiguous().cpu()
+                out.write(tensor_bytes(host))
+                del host  # the next tensor's copy is made without this one alive
         missing = [spec[0] for spec in specs]
         if missing:
             raise CheckpointError(f"internal error: {len(missing)} tensors of the header of {path} were never "
@@ -170,11 +174,24 @@ def safetensors_header(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
 def tensor_bytes(flat: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy.
+    """The bytes of a contiguous CPU tensor, without a copy; the view keeps the tensor alive.
 
     Through ctypes, not .numpy(): a numpy export makes the storage non-resizable for good, and
-    offloaded parameter shards free and re-attach theirs (offload/shard_store.py)."""
-    return memoryview((ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr()))
+    offloaded parameter shards free and re-attach theirs (offload/shard_store.py).
+
+    [Note: a raw address does not own its tensor] A ctypes array made `from_address` holds no
+    reference to the tensor, so a caller writing `tensor_bytes(t.cpu())` or `tensor_bytes(t.contiguous())`
+    read freed memory: those calls return a *new* tensor whenever `t` is on a GPU or not contiguous
+    (on a contiguous CPU tensor they return `t` itself, which the caller keeps alive), and the new
+    tensor died as tensor_bytes returned. Small tensors (<= 1 KiB: glibc's tcache) were reused at once,
+    so a GPU checkpoint saved every bias and small weight as garbage that its sha256 then vouched for
+    (issue 31 item 1). The array now holds the tensor, and the memoryview holds the array."""
+    if flat.device.type != "cpu" or not flat.is_contiguous():
+        raise ValueError(f"tensor_bytes needs a contiguous CPU tensor, got one on {flat.device} "
+                         f"(contiguous: {flat.is_contiguous()}); call .contiguous().cpu() first")
+    array = (ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
+    array._owner = flat  # see the note: the bytes stay valid as long as the memoryview lives
+    return memoryview(array)
 
 
 def write_json(path: Path, obj: Any) -> str:
