@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Optional
 
 import torch
 
@@ -23,6 +24,7 @@ from ..optim.inner import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
 from .heap import map_large_buffers
+from ..placement import Placement
 from ..precision import PrecisionPolicy
 from ..config.offload import DEFAULT_SUB_GROUP_SIZE, OffloadDevice, ignored_settings
 from .file_io import FileIO
@@ -55,8 +57,10 @@ def predicted_state_bytes(numel: int, user_optimizer) -> int:
     return numel * 4 * state_numel_per_param(user_optimizer)
 
 
-def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_group: comm.ProcessGroup):
-    """The optimizer-state offload of this rank (None when offload_optimizer is off); see module docstring."""
+def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_group: comm.ProcessGroup,
+                            placement: Optional[Placement] = None):
+    """The optimizer-state offload of this rank (None when offload_optimizer is off); see module docstring.
+    `placement`: where the states live (their pinning); None: pinned where the config asks and a GPU exists."""
     zero = config.zero_optimization
     section = zero.offload_optimizer
     rank = comm.get_rank(process_group)
@@ -81,7 +85,7 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
     window = min(sub_group_size or OPTIMIZER_CHUNK_NUMEL, max(numel, 1))
     # cpu: all of it in host memory; nvme: the first (1 - ratio) in host memory, the rest in files
     host_fraction = 1.0 if section.device is OffloadDevice.CPU else 1.0 - section.ratio
-    pin = section.pin_memory and torch.cuda.is_available()
+    pin = placement.states.pinned if placement is not None else section.pin_memory and torch.cuda.is_available()
     rank_dir = None
     if section.device is OffloadDevice.NVME:
         key = "zero_optimization.offload_optimizer.nvme_path"
