@@ -150,3 +150,25 @@ def test_a_step_through_host_staging_is_bitwise_the_step_in_place(bf16, stage, o
         assert torch.equal(plain[key], staged[key]), key
     fresh = _train(cfg, steps=0)
     assert not torch.equal(fresh["hidden.weight"], plain["hidden.weight"])  # it trained
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_offload_param_cpu_keeps_a_store_exactly_where_the_shards_leave_the_model_device(pin):
+    """offload_param cpu: a host-backed store (pinned as configured) for a cuda:0 model, none for a CPU one."""
+    from zerodp.offload.shard_store import ShardStore
+    from zerodp.offload.tier import build_param_offload
+
+    cfg = config(3, True, param="cpu", pin=pin)
+    store = build_param_offload(cfg, 1000, 2, 100, None, CUDA)
+    assert isinstance(store, ShardStore) and store.rank_dir is None and store.pin_memory == pin
+    assert build_param_offload(cfg, 1000, 2, 100, None, HOST) is None
+
+
+def test_a_host_step_refuses_an_optimizer_built_for_cuda_graphs():
+    from zerodp.optim.step_plan import check_host_step
+
+    offloaded = placement_of(config(2, True, optimizer="cpu"), CUDA)
+    with pytest.raises(ValueError, match="capturable=True"):
+        check_host_step([{"lr": 1e-3}, {"lr": 1e-3, "capturable": True}], offloaded)
+    check_host_step([{"lr": 1e-3, "capturable": True}], placement_of(config(2, True), CUDA))  # steps on the GPU
+    check_host_step([{"lr": 1e-3, "capturable": False}], offloaded)

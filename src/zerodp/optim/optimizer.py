@@ -57,7 +57,7 @@ from ..seams import ShardedUnit
 from .inner import rebuild_kept
 from .checkpoint_state import CheckpointStateAccess
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
-from .step_plan import StepPlan
+from .step_plan import StepPlan, check_host_step
 
 
 # 1 MiB of fp32: fits L2 with room to spare, large enough that per-tensor overhead is negligible.
@@ -88,6 +88,7 @@ class ShardedOptimizer(CheckpointStateAccess):
         # no placement given (a caller of this class alone): everything where the first shard is
         self.placement = placement or placement_for_precision(
             precision, units[0].param_shard.device if units else torch.device("cpu"))
+        check_host_step(group_settings, self.placement)
         masters_home = self.placement.masters
         self.masters: list[torch.Tensor] = []
         self.chunks: list[list[torch.Tensor]] = []
@@ -268,7 +269,8 @@ class ShardedOptimizer(CheckpointStateAccess):
             for v in state.values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     total += v.numel() * v.element_size()
-        return total + (self.offload.host_bytes() if self.offload is not None else 0) + self.plan.staging_bytes()
+        # (a host step's pinned staging buffers are not optimizer state: StepPlan.staging_bytes)
+        return total + (self.offload.host_bytes() if self.offload is not None else 0)
 
     def close(self) -> None:
         """Release the offload tier's stores, files and I/O threads (the engine's close)."""

@@ -31,6 +31,15 @@ from ..placement import Placement
 from ..seams import ShardedUnit
 
 
+def check_host_step(group_settings: list[dict], placement: Placement) -> None:
+    """A step on the host (ZeRO-Offload on a GPU) cannot run an optimizer built for CUDA graphs: say so now,
+    not as torch's assertion inside the first step."""
+    if placement.steps_on_host and any(settings.get("capturable") for settings in group_settings):
+        raise ValueError("offload_optimizer steps the optimizer on the host (the CPU), but it was built with "
+                         "capturable=True, which needs its tensors on the GPU; drop capturable=True or remove "
+                         "zero_optimization.offload_optimizer")
+
+
 class StepPlan:
     """The windows, residency, gradient binding and write-back of one step; see the module docstring."""
 
