@@ -79,13 +79,14 @@ def test_cuda_offload_optimizer_matches_the_run_without_offload(nccl_group, tmp_
     assert cpu_losses == nvme_losses
     print(f"stage {stage} bf16={bf16}: offload bitwise equal to no offload: "
           f"{all(torch.equal(cpu[k], plain[k]) for k in plain)}")
-    # fp32: ulps of host vs GPU AdamW kernels over 8 steps. bf16: an ulp of a master can flip a bf16 rounding
-    # of a parameter (one bf16 ulp, 2**-8 relative), which changes later gradients slightly; Adam's update is
-    # lr x a ratio of moments, so a parameter moves by at most ~lr x that relative change (1e-2 x 1e-2).
-    atol = 1e-4 if bf16 else 2e-6
+    # fp32: ulps of host vs GPU AdamW kernels over 8 steps (updates ~lr = 1e-2, so ~1e-9 per step). bf16: an
+    # ulp of a master can flip the bf16 rounding of a parameter (2**-8 relative), which changes later gradients
+    # by about that much; Adam's update is lr x a ratio of moments, so the parameters drift apart by ~lr x 2**-8
+    # per step after a flip (8 steps: < 1e-3). A broken step (no update, wrong gradients) is off by ~lr x steps.
+    atol = 1e-3 if bf16 else 2e-6
     for k in plain:
         torch.testing.assert_close(cpu[k], plain[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
-    torch.testing.assert_close(torch.tensor(cpu_losses), torch.tensor(plain_losses), rtol=1e-3 if bf16 else 1e-5,
+    torch.testing.assert_close(torch.tensor(cpu_losses), torch.tensor(plain_losses), rtol=1e-2 if bf16 else 1e-5,
                                atol=0)
 
 
@@ -122,6 +123,9 @@ def test_cuda_offloaded_checkpoint_round_trip(nccl_group, tmp_path, stage, param
         assert_bitwise(resumed.full_state_dict(), saved, "resumed vs saved")
         state = resumed.optimizer.state_of(0)
         assert state["exp_avg"].device.type == "cpu"  # the host step's state
-        # the same host step on the same values and the same GPU forward: equal
-        assert train(resumed, 2, 2) == uninterrupted
-        assert_bitwise(resumed.full_state_dict(), after, "resumed training vs uninterrupted")
+        # the same host step on the same values and the same GPU kernels: equal up to nondeterministic GPU
+        # reductions, if any (as test_cuda_checkpoint.py)
+        torch.testing.assert_close(torch.tensor(train(resumed, 2, 2)), torch.tensor(uninterrupted), rtol=1e-6, atol=0)
+        continued = resumed.full_state_dict()
+        for k in after:
+            torch.testing.assert_close(continued[k], after[k], rtol=1e-6, atol=0)
