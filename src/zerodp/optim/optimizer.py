@@ -42,7 +42,6 @@ this class never asks what is offloaded.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from enum import Enum, auto
 from typing import Optional
@@ -146,11 +145,9 @@ class ShardedOptimizer(CheckpointStateAccess):
             start = end
 
     def _resident(self, index: int, read: bool = True, write: bool = True):
-        """Offload: hold master `index`'s optimizer state in memory for a block (`read`: its stored
-        values are needed; `write`: the block changes them)."""
-        if self.offload is None:
-            return contextlib.nullcontext()
-        return self.offload.resident(self.offload.chunk_indices(self.chunks[index]), read=read, write=write)
+        """Hold master `index`'s optimizer state in `optimizer.state` for a block (`read`: its stored
+        values are needed; `write`: the block changes them); the plan knows whether it is offloaded."""
+        return self.plan.state_resident(self.chunks[index], read=read, write=write)
 
     @property
     def param_groups(self) -> list[dict]:

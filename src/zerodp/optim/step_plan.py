@@ -163,6 +163,13 @@ class StepPlan:
                 for chunk in self.chunks[i]:
                     chunk.grad = None
 
+    def state_resident(self, chunks: list, read: bool = True, write: bool = True):
+        """Hold `chunks`' optimizer state in the inner optimizer for a block (checkpoints): a no-op unless the
+        state rests in an offload store (offload/optimizer_state.py `resident`)."""
+        if self.offload is None:
+            return contextlib.nullcontext()
+        return self.offload.resident(self.offload.chunk_indices(chunks), read=read, write=write)
+
     # -- after the step --------------------------------------------------------------------------
 
     def write_back(self) -> None:
