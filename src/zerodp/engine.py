@@ -39,6 +39,7 @@ from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
 from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.optimizer import ShardedOptimizer, StepOutcome
+from .placement import model_device, placement_of
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
@@ -106,11 +107,14 @@ class ZeroEngine:
                                     *(() if self.autocast is None else (self.autocast.low_precision_ids, self.autocast.dtype)))
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
         self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
-        offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
+        # where each state lives (masters, optimizer state, staging buffers), decided once: placement.py
+        self.placement = placement_of(config, model_device(model))
+        offload = build_optimizer_offload(config, self.units, user_opt, process_group, self.placement)  # or None
         self.optimizer = ShardedOptimizer(
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
-            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload)
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
+            placement=self.placement)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -339,8 +343,7 @@ class ZeroEngine:
         # hooks, the stage-3 parameter registry's entries, its reduction communicator, the offloaded shards'
         # files (the engine cannot train after this)
         self.sharding.close()
-        if self.optimizer.offload is not None:
-            self.optimizer.offload.close()
+        self.optimizer.close()  # the offload tier's stores, files and I/O threads, if any
         if self._owns_process_group:
             self._owns_process_group = False
             comm.destroy_distributed()
