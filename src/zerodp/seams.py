@@ -153,6 +153,9 @@ class CheckpointEngine(Protocol):
     optimizer: CheckpointOptimizer
 
     @property
+    def lr_scheduler(self) -> Any: ...  # the schedule saved beside the shards, or None
+
+    @property
     def units(self) -> Sequence[ShardedUnit]: ...
 
     @property
