@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 from zerodp.comm import collectives, group, watchdog
 
@@ -66,4 +67,20 @@ def test_a_collective_that_never_completes_on_the_device_ends_the_process_with_i
     err = proc.stderr
     assert "zerodp rank 1: waited" in err and "(comm_timeout_s=0.3) for the device to complete collective" in err, err
     assert "global step 4, micro-step 8, phase forward, unit 'blocks.1'" in err, err
-    assert "all_gather of blocks.1 (tag 'param', numel 1024, bfloat16" in err, err
+    assert "all_gather of blocks.1 (tag 'param', numel 1024, bfloat16, group world) [in flight]" in err, err
+
+
+def test_a_tracked_collective_is_marked_done_once_its_probe_says_so():
+    previous = watchdog.apply(watchdog.Settings(timeout_s=600.0, debug_sync=False, rank=0))
+    entry, completed = _entry(), []
+    try:
+        watchdog.track(entry, lambda: bool(completed))
+        assert entry.state == "in flight"
+        completed.append(True)
+        deadline = time.monotonic() + 30
+        while entry.state != "done" and time.monotonic() < deadline:
+            time.sleep(0.05)  # the watchdog thread polls once a second
+        assert entry.state == "done"
+    finally:
+        watchdog.stop()
+        watchdog.apply(previous)

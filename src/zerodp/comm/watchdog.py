@@ -72,7 +72,7 @@ class Entry:
     what: str
     activity: str
     issued_at: float = field(default_factory=time.monotonic)
-    state: str = "issued"   # issued | waiting | done
+    state: str = "issued"   # issued | waiting | in flight (NCCL: on the device after the host's wait) | done
     done_at: Optional[float] = None  # time.monotonic() when the host wait returned (comms_logger's latency)
 
     def describe(self) -> str:
@@ -168,6 +168,7 @@ def track(entry: Entry, probe: Callable[[], bool]) -> None:
     """Watch a collective whose wait returned before it was done: `probe()` turns true when it is
     ([Note: waits that do not block the host] in group.py)."""
     _ensure_thread()
+    entry.state = "in flight"  # the host's wait returned; the device has not said it is done
     with _lock:
         _in_flight.append((time.monotonic(), entry, probe))
 
@@ -237,6 +238,10 @@ def _watch(stop_event: threading.Event) -> None:
             waits, in_flight = list(_waits.values()), list(_in_flight)
         # note: the probes run outside the lock (a CUDA event query each); entries tracked meanwhile are kept
         found, pending = find_stalled(now, timeout, waits, in_flight)
+        still = {id(item[1]) for item in pending}
+        for _, entry, _ in in_flight:
+            if id(entry) not in still:
+                entry.state = "done"
         with _lock:
             _in_flight[:] = pending + _in_flight[len(in_flight):]
         if found is not None:
