@@ -26,13 +26,14 @@ from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
 from .comm import watchdog
-from .config import ZeroConfig, load_config
+from .config import ConfigError, ZeroConfig, load_config
 from .config.auto import resolve_auto
 from .errors import NonFiniteError
 from .flat.grad_arithmetic import GradArithmetic
+from .optim.client_schedule import build_schedule, engine_schedule
 from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
-from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
+from .host_memory import TRIM_INTERVAL_STEPS, release_free_memory
 from .module_device import place_module
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
@@ -45,6 +46,7 @@ from .preflight import broadcast_module_state, check_same_model, optimizer_group
 from .seams import ShardingStrategy
 from .replicated_params.buckets import ReducePolicy, build_buckets
 from .replicated_params.strategy import GradReducer
+from .runtime import RUNTIME, Lease
 from .stage3 import build_stage3_sharding
 
 log = logging.getLogger("zerodp")
@@ -54,15 +56,18 @@ class ZeroEngine:
     """A model trained with ZeRO. Create it with `zerodp.initialize`."""
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig,
-                 process_group: comm.ProcessGroup = None, cast_inputs: bool = True) -> None:
+                 process_group: comm.ProcessGroup = None, cast_inputs: bool = True, *, lr_scheduler: Any = None,
+                 lease: Optional[Lease] = None) -> None:
+        if lr_scheduler is not None and config.scheduler is not None:
+            raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")
         self.module = model
         self.config = config
         self.process_group = process_group
-        # The engine owns the default group when zerodp created it (initialize, init_context): close() ends it.
-        self._owns_process_group = process_group is None and comm.owns_default_group()
         self.rank = comm.get_rank(process_group)
         self.world_size = comm.get_world_size(process_group)
-        watchdog.configure(config.comm_timeout_s, config.zero_optimization.debug_sync, rank=self.rank)
+        # process-wide settings (watchdog, real collectives, default group, allocator): runtime.py; close() gives back
+        self._lease = lease if lease is not None else RUNTIME.lease(config, self.rank, process_group)
+        self._lease.held_by(self)
         watchdog.activity.enter("setup")
         check_same_model(model, process_group)
         config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config_auto)
@@ -115,9 +120,11 @@ class ZeroEngine:
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
             placement=self.placement)
-        # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
-        self.lr_scheduler = None if config.scheduler is None else \
+        # DeepSpeed's `scheduler` section or the caller's own schedule, stepped after every optimizer step taken
+        self._lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
+        if lr_scheduler is not None:  # the caller's own (optim/client_schedule.py)
+            self._lr_scheduler = build_schedule(lr_scheduler, self)
         # DeepSpeed's monitoring sections (csv_monitor, tensorboard, wandb, comms_logger, flops_profiler)
         self.monitor = Monitor.from_config(config, self.rank, self.world_size, self.train_batch_size)
         if self.rank == 0:
@@ -204,7 +211,7 @@ class ZeroEngine:
         self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
         if self.stage == 3 and self.global_step % TRIM_INTERVAL_STEPS == 0:
-            release_free_memory()  # stage 3's gather/free churn leaves holes malloc keeps: see memory/trim.py
+            release_free_memory()  # stage 3's gather/free churn leaves holes malloc keeps: [Note: heap trimming] in host_memory.py
         watchdog.activity.global_step = self.global_step
         if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
             self.lr_scheduler.step()
@@ -246,6 +253,16 @@ class ZeroEngine:
         for index, unit in enumerate(self.units):
             if id(unit) in written:
                 self.optimizer.load_master_from_shard(index)
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The learning-rate schedule stepped after every optimizer step taken (None: none); saved in checkpoints."""
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, schedule: Any) -> None:
+        """Replace the schedule (None: none, as Lightning sets it); see optim/client_schedule.py."""
+        self._lr_scheduler = engine_schedule(schedule, self)
 
     # -- read-only figures -----------------------------------------------------------------------
 
@@ -337,17 +354,15 @@ class ZeroEngine:
         Idempotent. Call it (or use the engine as a context manager) when training ends; an atexit
         hook does the same at interpreter exit (see [Note: teardown] in comm/process_group.py). The offload
         tier's files are deleted too (otherwise at garbage collection or exit). After close() the engine
-        can no longer communicate; a process group the caller created is left alone.
+        can no longer communicate; a process group the caller created is left alone, and so is one another
+        live engine uses (runtime.py).
         """
         self.monitor.close()  # the comms_logger summary is logged here
         # hooks, the stage-3 parameter registry's entries, its reduction communicator, the offloaded shards'
         # files (the engine cannot train after this)
         self.sharding.close()
         self.optimizer.close()  # the offload tier's stores, files and I/O threads, if any
-        if self._owns_process_group:
-            self._owns_process_group = False
-            comm.destroy_distributed()
-        comm.watchdog.stop()  # started again by the next blocking collective, if any
+        self._lease.close()  # the last engine out ends the default group zerodp made, the watchdog, mallopt
 
     def __enter__(self) -> "ZeroEngine":
         return self
@@ -369,16 +384,22 @@ def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroCon
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
-               process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True) -> ZeroEngine:
+               process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True,
+               lr_scheduler: Any = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training as `config` says (README's quick start). The one place an engine is built:
-    the DeepSpeed and VISSL entries translate and call this. `cast_inputs=False`: inputs keep their dtype."""
-    if optimizer is None:  # a VISSL file builds VISSL's param groups, which needs the model
-        from .optim.vissl_optimizer import vissl_initialize_args
-        optimizer, config = vissl_initialize_args(model, config)
+    the DeepSpeed and VISSL entries translate and call this. `optimizer=None`: the config's `optimizer` section
+    builds it (an error says so where there is none). `cast_inputs=False`: inputs keep their dtype.
+    `lr_scheduler`: a schedule over `optimizer` (or a callable building one on the engine's optimizer),
+    stepped after every optimizer step taken, instead of a config `scheduler` section."""
     config = load_config(config)
     if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
         activations.PROCESS.adopt(config.activation_checkpointing)
-    watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
-    comm.init_distributed()
-    place_module(model, process_group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
-    return ZeroEngine(model, optimizer, config, process_group, cast_inputs)
+    comm.init_distributed(RUNTIME.backend_timeout_s(config))
+    lease = RUNTIME.lease(config, comm.get_rank(process_group), process_group)
+    try:
+        place_module(model, process_group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
+        return ZeroEngine(model, optimizer, config, process_group, cast_inputs, lr_scheduler=lr_scheduler,
+                          lease=lease)
+    except BaseException:
+        lease.close()  # an engine that failed to build holds nothing of the process
+        raise

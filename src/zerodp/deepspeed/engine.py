@@ -25,58 +25,18 @@ import torch
 
 from ..config import ConfigError
 from ..engine import ZeroEngine
+from ..optim.client_schedule import ClientSchedule  # noqa: F401 (zerodp.deepspeed.engine.ClientSchedule, as before)
 from .utils.timer import ThroughputTimer
 
 # Which engine trains a parameter (for zerodp.deepspeed.utils' per-parameter getters).
 ENGINE_OF_PARAM: "weakref.WeakValueDictionary[int, DeepSpeedEngine]" = weakref.WeakValueDictionary()
 
 
-class ClientSchedule:
-    """A scheduler object the user built on their own optimizer: stepped by the engine, its group
-    hyper-parameters (lr, betas, momentum, ...) copied into the engine's optimizer after each step."""
-
-    def __init__(self, scheduler: Any, engine: ZeroEngine) -> None:
-        self.scheduler, self.engine = scheduler, engine
-        self._sync()
-
-    def _sync(self) -> None:
-        source = getattr(self.scheduler, "optimizer", None)
-        inner = self.engine.optimizer
-        if source is None or source is inner.optimizer:
-            return
-        for inner_group, user_index in zip(inner.param_groups, inner.group_indices):
-            inner_group.update({k: v for k, v in source.param_groups[user_index].items() if k != "params"})
-
-    def step(self, *args, **kwargs) -> None:
-        source = getattr(self.scheduler, "optimizer", None)
-        if source is not None and source is not self.engine.optimizer.optimizer:
-            # the user's optimizer never steps (the engine's master-shard copy does), so torch would warn that
-            # the schedule steps before its optimizer; the engine has stepped by now
-            source._opt_called = True
-        self.scheduler.step(*args, **kwargs)
-        self._sync()
-
-    def get_last_lr(self):
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)
-        self._sync()
-
-
 class DeepSpeedEngine:
     """What DeepSpeed training scripts call on the engine `deepspeed.initialize` returns."""
 
-    def __init__(self, engine: ZeroEngine, lr_scheduler: Any = None) -> None:
+    def __init__(self, engine: ZeroEngine) -> None:
         self.engine = engine
-        if lr_scheduler is not None:
-            # a callable is built on the engine's optimizer, as DeepSpeed calls it with its basic optimizer
-            built = lr_scheduler(engine.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(
-                lr_scheduler, "step") else lr_scheduler
-            engine.lr_scheduler = ClientSchedule(built, engine)
         for p in engine.module.parameters():
             ENGINE_OF_PARAM[id(p)] = self
         self.tput_timer = ThroughputTimer(engine.train_batch_size)
