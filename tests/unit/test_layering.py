@@ -148,7 +148,8 @@ def test_no_package_level_import_cycle():
 TIERS = {
     "runtime": ("engine", "runtime", "config", "comm", "flat", "replicated_params", "stage3", "optim", "offload",
                 "checkpoint", "precision", "autocast", "monitor", "host_memory", "seams", "errors", "nonfinite",
-                "preflight", "memory.report", "memory.model_states"),
+                "preflight", "memory.report", "memory.model_states", "module_device", "placement",
+                "activations"),
     "adapter": ("deepspeed", "integrations", "vissl"),
     "planner": ("scaling", "memory", "offload.estimate", "cli", "app", "models"),
 }
