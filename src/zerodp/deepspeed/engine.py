@@ -49,9 +49,15 @@ class DeepSpeedEngine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor, **unused) -> torch.Tensor:
-        self.engine.backward(loss)
-        return loss
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """DeepSpeed's backward: `scale_wrt_gas=False` when the caller divided the loss by the accumulation steps
+        itself (the HF Trainer); returns the loss as divided for the gradients (DeepSpeed's return value)."""
+        self.engine.backward(loss, divide_by_accumulation_steps=scale_wrt_gas, retain_graph=retain_graph)
+        return loss / self.engine.gradient_accumulation_steps if scale_wrt_gas else loss
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say before each backward whether it ends an accumulation (Accelerate does, then calls step() once)."""
+        self.engine.set_accumulation_boundary(is_boundary)
 
     def step(self, lr_kwargs=None) -> None:
         boundary = self.engine.is_accumulation_boundary  # read before step() advances the micro-step count

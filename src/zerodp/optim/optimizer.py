@@ -55,6 +55,7 @@ from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
 from .inner import rebuild_kept
 from .checkpoint_state import CheckpointStateAccess
+from .shared_groups import share_param_groups
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
 from .step_plan import StepPlan, check_host_step
 
@@ -107,6 +108,7 @@ class ShardedOptimizer(CheckpointStateAccess):
         # same groups (the same schedule, get_lr and checkpointed hyper-parameters).
         self.group_indices = sorted({unit.group_index for unit in units})
         self.optimizer = rebuild_kept(user_optimizer, groups, self.group_indices)
+        share_param_groups(user_optimizer, self.optimizer, self.group_indices)  # the user's dicts: shared_groups.py
         if getattr(self.optimizer, "shard_norms", None) is not None:
             self._bind_shard_layout()
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
