@@ -95,13 +95,13 @@ from .. import comm as _comm
 from ..config import ConfigError, load_config
 from ..engine import initialize as zerodp_initialize
 from ..optim.inner import build_from_section, build_from_sections
-from . import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
+from . import accelerator, checkpoint, checkpointing, comm, moe, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
 from .forward_engine import ForwardEngine
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "get_accelerator",
-           "accelerator", "comm", "moe", "ops", "runtime", "utils", "zero"]
+           "accelerator", "checkpoint", "comm", "moe", "ops", "runtime", "utils", "zero"]
 
 
 # DeepSpeed's top-level names that zerodp does not provide, with what they are (PEP 562 `__getattr__`)
@@ -224,6 +224,6 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
                               "optimizer=... or an 'optimizer' config section, or drop them for a forward-only engine")
         return ForwardEngine(model, cfg), None, None, None
     engine = DeepSpeedEngine(zerodp_initialize(model, optimizer, cfg, cast_inputs=_casts_inputs(source),
-                                               lr_scheduler=lr_scheduler))
+                                               lr_scheduler=lr_scheduler), config=source)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler
