@@ -61,11 +61,12 @@ _CIFAR_PATH = ("shim/cifar",)  # the torchvision stand-in; never on the path of 
 # At stage 3 the scripts create transformers' HfDeepSpeedConfig, so from_pretrained builds the model under
 # zero.Init and loads the checkpoint through GatheredParameters (zerodp.deepspeed.run's alias presents zerodp
 # as the `deepspeed` distribution HfDeepSpeedConfig asks for). SFT and DPO at stage 3 are collected (DeepSpeed's
-# losses are those of its stages 1-2, and zerodp's bitwise those); the tiny model's parameters are all under the
-# scripts' stage3_param_persistence_threshold (1e4), so none is partitioned while loading (a partitioned load
-# is tested in tests/dist/test_zero3_model_loading.py). DPO's reference model is a forward-only engine
+# losses are those of its stages 1-2, and zerodp's bitwise those). The tiny model's parameters are all under the
+# scripts' stage3_param_persistence_threshold (1e4), so at stage 3 the shim sets it to 0 in the configs they build
+# (_CHAT_PARTITIONED): every parameter is then partitioned, while loading and in training (the test checks it).
+# DPO's reference model is a forward-only engine
 # (initialize without an optimizer: zerodp.deepspeed.forward_engine), at stage 3 laid out by stage 3's strategy
-# with every parameter frozen; here all its parameters stay whole (the threshold again), so the case checks the
+# with every parameter frozen, so the case checks the
 # script's path (HfDeepSpeedConfig, two stage-3 engines, the reference model in bf16: left in fp32, its first
 # loss is 0.69599 instead of DeepSpeed's 0.69141), and tests/dist/test_deepspeed_forward_engine.py checks a
 # partitioned one (bitwise the plain module's forward, parameters sharded after it). Not the reward model:
