@@ -99,6 +99,7 @@ from . import accelerator, checkpoint, checkpointing, comm, moe, ops, runtime, u
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
 from .forward_engine import ForwardEngine
+from .utils.z3_leaf import leaf_unit_modules
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "get_accelerator",
            "accelerator", "checkpoint", "comm", "moe", "ops", "runtime", "utils", "zero"]
@@ -217,6 +218,11 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         else:
             optimizer = build_from_section(cfg.optimizer.type, cfg.optimizer.params, model_parameters)
         cfg = cfg.model_copy(update={"optimizer": None})
+    if cfg.stage == 3:  # modules set as stage-3 leaves become units (utils/z3_leaf.py)
+        units = leaf_unit_modules(model, cfg.zero_optimization.stage3_unit_modules)
+        if units != cfg.zero_optimization.stage3_unit_modules:
+            cfg = cfg.model_copy(update={"zero_optimization": cfg.zero_optimization.model_copy(
+                update={"stage3_unit_modules": units})})
     if optimizer is None and cfg.optimizer is None:
         # nothing to train with: DeepSpeed's engine for forward passes (a frozen reference model)
         if lr_scheduler is not None or cfg.scheduler is not None or training_data is not None:
