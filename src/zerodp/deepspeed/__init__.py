@@ -41,10 +41,18 @@ DeepSpeed's examples/; transformers' and accelerate's integrations add the last 
     engine.<module attribute> (engine.model, ...),              1  engine.py (DeepSpeed's engine answers with
       engine.tput_timer.update_epoch_count()                       its module's attributes); utils/timer.py
     launcher's --local_rank=<n> argument                        3  run.py --local_rank (DeepSpeed-Chat)
+    HF Accelerate and the stock Trainer (issue 35):                  engine.py, consolidated_weights.py,
+      backward(loss, scale_wrt_gas=False),                           runtime/lr_schedules.py,
+      set_gradient_accumulation_boundary, engine.config (a dict),    checkpoint/utils.py, ops/adagrad, ops/lion,
+      runtime.lr_schedules.VALID_LR_SCHEDULES, steps_per_print inf,  utils/zero_to_fp32.py, utils/z3_leaf.py;
+      checkpoint.utils.clone_tensors_for_torch_save,                 a scheduler on the user's optimizer:
+      zero_gather_16bit_weights_on_model_save,                       optim/shared_groups.py
+      _zero3_consolidated_16bit_state_dict, ops DeepSpeedCPUAdam/
+      DeepSpeedCPUAdagrad/DeepSpeedCPULion, utils.zero_to_fp32,
+      utils.set_z3_leaf_modules
     not provided (import fails naming the module): deepspeed.pipe, ops.sparse_attention,
       DeepSpeedTransformerLayer, module_inject, runtime.data_pipeline,
-      compression (but its helper), comm.mori, ops.lion, ops.adagrad, checkpoint.utils, init_inference,
-      tp_model_init
+      compression (but its helper), comm.mori (refused naming it), init_inference, tp_model_init
 
 This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config.compat`), the
 optimizers (`optim.deepspeed_types`) and the schedules (`optim.lr_schedules`) are zerodp's own.
@@ -58,8 +66,11 @@ Where zerodp differs from DeepSpeed on purpose (the engine's differences are in 
   - `init_distributed(dist_backend="cpu:gloo,cuda:nccl")`: DeepSpeed hands the list to torch, which fails
     on a build without NCCL or a machine without a GPU; zerodp keeps NCCL only where a GPU is visible, so
     the script runs on CPU.
-  - `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` return torch optimizers (the same update), so
-    `isinstance(opt, FusedAdam)` does not work; there is no CPU-offloaded step.
+  - `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` (and `ops.adagrad`, `ops.lion`) return torch optimizers or
+    zerodp's Lion (the same update), so `isinstance(opt, FusedAdam)` does not work; their state lives where
+    the config's offload_optimizer puts it.
+  - parameters carry no `ds_numel`/`ds_id`: a partitioned parameter keeps its shape, so `p.numel()` is the
+    whole count (transformers counts `p.ds_numel if hasattr(p, "ds_numel") else p.numel()`).
   - inputs: zerodp's own engine casts floating inputs to the compute dtype; through this adapter they are
     cast only where DeepSpeed casts them (fp16 with `auto_cast: true`), so an fp32 tensor a bf16 model adds
     to its activations promotes the result to fp32 as in DeepSpeed.
