@@ -132,3 +132,18 @@ def test_a_hand_written_lr_on_the_users_optimizer_reaches_zerodp():
     for got, want in zip(_params(engine), before):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     engine.destroy()
+
+
+def test_replacing_the_users_groups_after_initialize_is_refused():
+    """torch's load_state_dict / add_param_group on the user's optimizer make new group dicts, whose changes could
+    not reach zerodp: the next step refuses, naming what to do."""
+    from zerodp.errors import OptimizerError
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={**_config(2), "gradient_accumulation_steps": 1})
+    opt.load_state_dict(opt.state_dict())
+    x, y = _batch(0, 0)
+    engine.backward(F.mse_loss(engine(x), y))
+    with pytest.raises(OptimizerError, match="new param groups since .*load_state_dict or add_param_group"):
+        engine.step()

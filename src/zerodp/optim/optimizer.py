@@ -108,7 +108,8 @@ class ShardedOptimizer(CheckpointStateAccess):
         # same groups (the same schedule, get_lr and checkpointed hyper-parameters).
         self.group_indices = sorted({unit.group_index for unit in units})
         self.optimizer = rebuild_kept(user_optimizer, groups, self.group_indices)
-        share_param_groups(user_optimizer, self.optimizer, self.group_indices)  # the user's dicts: shared_groups.py
+        # the user's group dicts are the inner groups (shared_groups.py): their changes reach the step
+        self.shared_groups = share_param_groups(user_optimizer, self.optimizer, self.group_indices)
         if getattr(self.optimizer, "shard_norms", None) is not None:
             self._bind_shard_layout()
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
@@ -178,6 +179,7 @@ class ShardedOptimizer(CheckpointStateAccess):
         `received` holds one flag per parameter (units concatenated): whether it got a gradient on
         any rank since the last step. None means every parameter did.
         """
+        self.shared_groups.verify()  # refuses a user optimizer whose groups were replaced since initialize
         check_overflow = self.scaler.scale != 1.0 or self.scaler.dynamic
         if check_overflow and self._overflow():
             self.scaler.update(overflow=True)

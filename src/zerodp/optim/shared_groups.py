@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import OptimizerError
 from .larc import LARC
 from .optimizer_list import OptimizerList
 
@@ -35,7 +36,27 @@ def _group_slots(optimizer: Any) -> list[tuple[list, int]]:
     return [(optimizer.param_groups, k) for k in range(len(optimizer.param_groups))]
 
 
-def share_param_groups(user_optimizer: Any, inner_optimizer: Any, group_indices: list[int]) -> None:
+class SharedGroups:
+    """The link between the user's optimizer and the inner one: `verify()` before each step refuses, loudly, a
+    user optimizer whose group dicts were replaced since (torch's `load_state_dict` and `add_param_group` on it
+    make new ones), since changes to those would no longer reach the step."""
+
+    def __init__(self, user_optimizer: Any, shared: list[dict]) -> None:
+        self.user_optimizer, self.shared = user_optimizer, shared
+        self.count = len(user_optimizer.param_groups)
+
+    def verify(self) -> None:
+        groups = self.user_optimizer.param_groups
+        current = {id(g) for g in groups}
+        if len(groups) != self.count or any(id(g) not in current for g in self.shared):
+            raise OptimizerError(
+                "the optimizer passed to initialize has new param groups since (load_state_dict or add_param_group "
+                "on it): zerodp steps the groups it had, so changes to the new ones would not reach training. Change "
+                "hyper-parameters in place (group['lr'] = ...), restore state with engine.load_checkpoint, and "
+                "build a new engine to train other parameters")
+
+
+def share_param_groups(user_optimizer: Any, inner_optimizer: Any, group_indices: list[int]) -> SharedGroups:
     """Make the inner optimizer's group j the user's group dict `group_indices[j]` (module docstring).
 
     Called once, right after the inner optimizer is built and before anything else reads its groups."""
@@ -51,3 +72,4 @@ def share_param_groups(user_optimizer: Any, inner_optimizer: Any, group_indices:
         shared.pop("param_names", None)  # names of the model's parameters, not of the shards it now holds
         shared.update(inner)
         holder[position] = shared
+    return SharedGroups(user_optimizer, [user_groups[i] for i in group_indices])
