@@ -157,3 +157,20 @@ def test_transformers_parameter_count_at_stage_3_is_the_whole_model():
 def test_comm_mori_is_refused_naming_it():
     with pytest.raises(ImportError, match="mori .* not provided by zerodp.deepspeed: zerodp is data parallel only"):
         from zerodp.deepspeed.comm import mori  # noqa: F401
+
+
+def test_gathered_parameters_takes_accelerates_fwd_module_and_enabled():
+    """accelerate.utils.GatheredParameters passes `fwd_module=` and `enabled=` through: enabled=False gathers
+    nothing (reading the partitioned weight is refused, naming it), enabled=True gathers; fwd_module changes
+    nothing in zerodp (DeepSpeed registers the parameters as the module's external ones; zerodp's units need no
+    registration)."""
+    from zerodp.errors import PartitionedParameterError
+
+    engine, _ = _engine(3, stage3_param_persistence_threshold=0)
+    weight = engine.module[0].weight
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0, fwd_module=engine.module, enabled=False):
+        with pytest.raises(PartitionedParameterError, match="partitioned across ranks"):
+            weight.sum()
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0, fwd_module=engine.module, enabled=True):
+        torch.testing.assert_close(weight.detach().clone(), _model()[0].weight.detach(), rtol=0, atol=0)
+    engine.destroy()
