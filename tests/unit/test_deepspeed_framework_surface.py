@@ -174,3 +174,16 @@ def test_gathered_parameters_takes_accelerates_fwd_module_and_enabled():
     with deepspeed.zero.GatheredParameters([weight], modifier_rank=0, fwd_module=engine.module, enabled=True):
         torch.testing.assert_close(weight.detach().clone(), _model()[0].weight.detach(), rtol=0, atol=0)
     engine.destroy()
+
+
+def test_steps_per_print_inf_is_never_and_valid_lr_schedules_are_deepspeeds():
+    """Accelerate writes `steps_per_print: inf` into every config (DeepSpeed's "never") and reads
+    `runtime.lr_schedules.VALID_LR_SCHEDULES` to decide which scheduler goes to initialize."""
+    from zerodp.config import load_config
+    from zerodp.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
+
+    assert load_config({"steps_per_print": float("inf")}).steps_per_print is None
+    with pytest.raises(ConfigError):
+        load_config({"steps_per_print": float("nan")})  # any other non-finite number stays refused
+    assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    assert WarmupLR.__name__ in VALID_LR_SCHEDULES
