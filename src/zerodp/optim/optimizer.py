@@ -179,7 +179,7 @@ class ShardedOptimizer(CheckpointStateAccess):
         `received` holds one flag per parameter (units concatenated): whether it got a gradient on
         any rank since the last step. None means every parameter did.
         """
-        self.shared_groups.verify()  # refuses a user optimizer whose groups were replaced since initialize
+        self.shared_groups.before_step()  # refuses a user optimizer whose groups were replaced since initialize
         check_overflow = self.scaler.scale != 1.0 or self.scaler.dynamic
         if check_overflow and self._overflow():
             self.scaler.update(overflow=True)

@@ -45,6 +45,16 @@ class SharedGroups:
         self.user_optimizer, self.shared = user_optimizer, shared
         self.count = len(user_optimizer.param_groups)
 
+    def before_step(self) -> None:
+        """Called as each step starts: `verify()`, then mark the user's optimizer as stepped, as torch's scheduler
+        wrapper of its `step` does, since its groups are being stepped (a scheduler on it would otherwise warn that
+        it steps before its optimizer ever did)."""
+        self.verify()
+        for optimizer in (self.user_optimizer, getattr(self.user_optimizer, "optim", None),
+                          *getattr(self.user_optimizer, "optimizers", ())):
+            if optimizer is not None:
+                optimizer._opt_called = True
+
     def verify(self) -> None:
         groups = self.user_optimizer.param_groups
         current = {id(g) for g in groups}
