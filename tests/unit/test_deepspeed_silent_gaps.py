@@ -153,3 +153,21 @@ def test_replacing_the_users_groups_after_initialize_is_refused():
     engine.backward(F.mse_loss(engine(x), y))
     with pytest.raises(OptimizerError, match="new param groups since .*load_state_dict or add_param_group"):
         engine.step()
+
+
+def test_a_skipped_step_shows_as_the_optimizers_overflow():
+    """Accelerate holds back a scheduler on the user's optimizer when `optimizer.overflow` is true (DeepSpeed's ZeRO
+    optimizer sets it when fp16 skips a step); zerodp's skipped step says so too, so the lr schedule does not advance
+    past a step that was not taken."""
+    model = _model()
+    engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 config={**_config(2), "gradient_accumulation_steps": 1,
+                                                         "nonfinite": "skip"})
+    x, y = _batch(0, 0)
+    engine.backward(F.mse_loss(engine(x), y) * float("inf"))  # a non-finite gradient: the step is skipped
+    engine.step()
+    assert optimizer.overflow is True and engine.skipped_steps == 1
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    assert optimizer.overflow is False
+    engine.destroy()

@@ -263,6 +263,12 @@ class ShardedOptimizer(CheckpointStateAccess):
 
     # -- accounting ----------------------------------------------------------------------------
 
+    @property
+    def overflow(self) -> bool:
+        """The last step was skipped (fp16 overflow, or a NaN/Inf norm under `nonfinite: skip`): DeepSpeed's ZeRO
+        optimizer's `overflow`, which Accelerate reads to hold back a scheduler it steps on the user's optimizer."""
+        return self.last_step_skipped
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 masters (when separate) plus moments."""
         total = 0 if self.placement.masters_are_shards else sum(m.numel() * m.element_size() for m in self.masters)
