@@ -164,22 +164,18 @@ class ZeroEngine:
 
     @property
     def is_accumulation_boundary(self) -> bool:
-        """True when the next `step()` runs the optimizer: every gradient_accumulation_steps-th micro-step, or
-        what `set_accumulation_boundary` said last."""
+        """True when the next `step()` runs the optimizer (or what `set_accumulation_boundary` said last)."""
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
 
     def set_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
-        """Say, before a backward, whether it ends an accumulation (DeepSpeed's set_gradient_accumulation_boundary):
-        then the caller may run several backwards and one `step()` (Accelerate, the HF Trainer), and may end an
-        accumulation early (the last, partial one of an epoch). None returns to counting micro-steps."""
+        """Whether the next backwards end an accumulation (DeepSpeed's meaning; None: count micro-steps)."""
         self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, divide_by_accumulation_steps: bool = True,
                  retain_graph: bool = False) -> None:
-        """Backpropagate the micro-batch mean `loss`, loss-scaled and divided by the accumulation steps;
-        `divide_by_accumulation_steps=False`: the caller has divided it already (DeepSpeed's scale_wrt_gas=False)."""
+        """Backpropagate the micro-batch mean `loss`, loss-scaled and divided by the accumulation steps (if asked)."""
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         boundary = self.is_accumulation_boundary
@@ -202,9 +198,7 @@ class ZeroEngine:
             raise RuntimeError("engine.step() called without engine.backward(loss) since the last step")
         boundary = self.is_accumulation_boundary
         self.micro_step += 1
-        if boundary and self._boundary_override is not None:
-            # a caller-set boundary may come after fewer micro-steps (or one step() per accumulation): count
-            # whole accumulations, so that checkpoints see a step boundary (at_step_boundary)
+        if boundary and self._boundary_override is not None:  # count whole accumulations (at_step_boundary)
             self.micro_step = -(-self.micro_step // self.gradient_accumulation_steps) * self.gradient_accumulation_steps
         self._backward_since_step = False
         watchdog.activity.micro_step = self.micro_step
