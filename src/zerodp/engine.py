@@ -175,7 +175,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, divide_by_accumulation_steps: bool = True,
                  retain_graph: bool = False) -> None:
-        """Backpropagate the micro-batch mean `loss`, loss-scaled and divided by the accumulation steps (if asked)."""
+        """Backpropagate the micro-batch mean `loss`, loss-scaled, divided by the accumulation steps if asked."""
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         boundary = self.is_accumulation_boundary
