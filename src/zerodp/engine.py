@@ -85,6 +85,7 @@ class ZeroEngine:
         self.nonfinite_steps = 0  # steps skipped for a NaN/Inf gradient under `nonfinite: skip`
         self._loss_finite: Optional[torch.Tensor] = None  # this rank's losses since the step, read only on error
         self._backward_since_step = False
+        self._boundary_override: Optional[bool] = None  # set_accumulation_boundary
         self._last_step_time = time.perf_counter()
         # Seconds spent in forward / backward / step since the last log (wall_clock_breakdown).
         self.timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -163,23 +164,30 @@ class ZeroEngine:
 
     @property
     def is_accumulation_boundary(self) -> bool:
-        """True when the next `step()` runs the optimizer."""
+        """True when the next `step()` runs the optimizer (or what `set_accumulation_boundary` said last)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate the micro-batch mean `loss` (divided by the accumulation steps, loss-scaled)."""
+    def set_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Whether the next backwards end an accumulation (DeepSpeed's meaning; None: count micro-steps)."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
+
+    def backward(self, loss: torch.Tensor, divide_by_accumulation_steps: bool = True,
+                 retain_graph: bool = False) -> None:
+        """Backpropagate the micro-batch mean `loss`, loss-scaled, divided by the accumulation steps if asked."""
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         boundary = self.is_accumulation_boundary
         self.sharding.start_micro_step(reduce=boundary or self.sharding.reduces_every_micro_step)
-        scale = self.scaler.scale / self.gradient_accumulation_steps
+        scale = self.scaler.scale / (self.gradient_accumulation_steps if divide_by_accumulation_steps else 1)
         # A tensor, not a Python bool: reading it would be a device sync every micro-step.
         finite = torch.isfinite(loss.detach())
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         self.monitor.on_backward(loss)
         watchdog.activity.enter("backward")
         with self._timed("backward"):
-            (loss * scale if scale != 1.0 else loss).backward()
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             watchdog.activity.enter("reduce")
             self._received = self.sharding.finish_micro_step(boundary)
         self._backward_since_step = True
@@ -190,6 +198,8 @@ class ZeroEngine:
             raise RuntimeError("engine.step() called without engine.backward(loss) since the last step")
         boundary = self.is_accumulation_boundary
         self.micro_step += 1
+        if boundary and self._boundary_override is not None:  # count whole accumulations (at_step_boundary)
+            self.micro_step = -(-self.micro_step // self.gradient_accumulation_steps) * self.gradient_accumulation_steps
         self._backward_since_step = False
         watchdog.activity.micro_step = self.micro_step
         if not boundary:

@@ -124,6 +124,11 @@ def test_deepspeed_script_losses_equal_deepspeed(tmp_path, case):
     else:
         assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     for rank in range(2):
+        if "STAGE3_PERSISTENCE_THRESHOLD" in dict(case.env):  # DeepSpeed-Chat at stage 3 (cases.py)
+            partitioning = json.loads((tmp_path / f"partition_rank{rank}.json").read_text())  # the shim's record
+            # its parameters are partitioned, not all kept whole under the persistence threshold
+            assert partitioning["stage"] == 3 and partitioning["partitioned"] == partitioning["parameters"] > 0, \
+                f"{case.name}: not every parameter is partitioned ({partitioning})"
         got = json.loads((tmp_path / f"losses_rank{rank}.json").read_text())
         if case.reference == "plain":
             assert got == plain_sdma_losses()[rank], f"{case.name} rank {rank}: not bitwise plain PyTorch's"

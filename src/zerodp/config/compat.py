@@ -200,6 +200,7 @@ def normalize(data: dict, error: Callable[[str], Exception]) -> Normalized:
         _pop(out, path)
         out.notes.append(f"{path}={_show(value)} has no effect in zerodp: {rule.reason}")
     _optimizer_max_grad_norm(out, error)
+    _steps_per_print_never(out)
     for path, message in REFUSED.items():
         if _get(out, path)[0]:
             raise error(f"'{path}' is not supported: {message}")
@@ -249,6 +250,14 @@ def _optimizer_max_grad_norm(data: Normalized, error) -> None:
     _pop(data, "optimizer.params.max_grad_norm")
     data.notes.append(f"optimizer.params.max_grad_norm={value!r} has no effect in zerodp: the gradients are "
                       f"clipped once, by gradient_clipping={clip!r}")
+
+
+def _steps_per_print_never(data: Normalized) -> None:
+    """`steps_per_print: inf` (Accelerate writes it into every config) is DeepSpeed's "never": unset, as zerodp's
+    own "never" (any other infinite or NaN number stays refused)."""
+    value = data.get("steps_per_print")
+    if isinstance(value, float) and value == float("inf"):
+        del data["steps_per_print"]
 
 
 def _accepts(rule: NoEffect, value: Any) -> bool:

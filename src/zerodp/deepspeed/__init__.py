@@ -41,10 +41,18 @@ DeepSpeed's examples/; transformers' and accelerate's integrations add the last 
     engine.<module attribute> (engine.model, ...),              1  engine.py (DeepSpeed's engine answers with
       engine.tput_timer.update_epoch_count()                       its module's attributes); utils/timer.py
     launcher's --local_rank=<n> argument                        3  run.py --local_rank (DeepSpeed-Chat)
+    HF Accelerate and the stock Trainer (issue 35):                  engine.py, consolidated_weights.py,
+      backward(loss, scale_wrt_gas=False),                           runtime/lr_schedules.py,
+      set_gradient_accumulation_boundary, engine.config (a dict),    checkpoint/utils.py, ops/adagrad, ops/lion,
+      runtime.lr_schedules.VALID_LR_SCHEDULES, steps_per_print inf,  utils/zero_to_fp32.py, utils/z3_leaf.py;
+      checkpoint.utils.clone_tensors_for_torch_save,                 a scheduler on the user's optimizer:
+      zero_gather_16bit_weights_on_model_save,                       optim/shared_groups.py
+      _zero3_consolidated_16bit_state_dict, ops DeepSpeedCPUAdam/
+      DeepSpeedCPUAdagrad/DeepSpeedCPULion, utils.zero_to_fp32,
+      utils.set_z3_leaf_modules
     not provided (import fails naming the module): deepspeed.pipe, ops.sparse_attention,
       DeepSpeedTransformerLayer, module_inject, runtime.data_pipeline,
-      compression (but its helper), comm.mori, ops.lion, ops.adagrad, checkpoint.utils, init_inference,
-      tp_model_init
+      compression (but its helper), comm.mori (refused naming it), init_inference, tp_model_init
 
 This package is a thin adapter: the engine, the config (DeepSpeed's keys, `config.compat`), the
 optimizers (`optim.deepspeed_types`) and the schedules (`optim.lr_schedules`) are zerodp's own.
@@ -58,8 +66,11 @@ Where zerodp differs from DeepSpeed on purpose (the engine's differences are in 
   - `init_distributed(dist_backend="cpu:gloo,cuda:nccl")`: DeepSpeed hands the list to torch, which fails
     on a build without NCCL or a machine without a GPU; zerodp keeps NCCL only where a GPU is visible, so
     the script runs on CPU.
-  - `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` return torch optimizers (the same update), so
-    `isinstance(opt, FusedAdam)` does not work; there is no CPU-offloaded step.
+  - `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` (and `ops.adagrad`, `ops.lion`) return torch optimizers or
+    zerodp's Lion (the same update), so `isinstance(opt, FusedAdam)` does not work; their state lives where
+    the config's offload_optimizer puts it.
+  - parameters carry no `ds_numel`/`ds_id`: a partitioned parameter keeps its shape, so `p.numel()` is the
+    whole count (transformers counts `p.ds_numel if hasattr(p, "ds_numel") else p.numel()`).
   - inputs: zerodp's own engine casts floating inputs to the compute dtype; through this adapter they are
     cast only where DeepSpeed casts them (fp16 with `auto_cast: true`), so an fp32 tensor a bf16 model adds
     to its activations promotes the result to fp32 as in DeepSpeed.
@@ -95,13 +106,14 @@ from .. import comm as _comm
 from ..config import ConfigError, load_config
 from ..engine import initialize as zerodp_initialize
 from ..optim.inner import build_from_section, build_from_sections
-from . import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
+from . import accelerator, checkpoint, checkpointing, comm, moe, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
 from .forward_engine import ForwardEngine
+from .utils.z3_leaf import leaf_unit_modules
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "get_accelerator",
-           "accelerator", "comm", "moe", "ops", "runtime", "utils", "zero"]
+           "accelerator", "checkpoint", "comm", "moe", "ops", "runtime", "utils", "zero"]
 
 
 # DeepSpeed's top-level names that zerodp does not provide, with what they are (PEP 562 `__getattr__`)
@@ -217,6 +229,11 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         else:
             optimizer = build_from_section(cfg.optimizer.type, cfg.optimizer.params, model_parameters)
         cfg = cfg.model_copy(update={"optimizer": None})
+    if cfg.stage == 3:  # modules set as stage-3 leaves become units (utils/z3_leaf.py)
+        units = leaf_unit_modules(model, cfg.zero_optimization.stage3_unit_modules)
+        if units != cfg.zero_optimization.stage3_unit_modules:
+            cfg = cfg.model_copy(update={"zero_optimization": cfg.zero_optimization.model_copy(
+                update={"stage3_unit_modules": units})})
     if optimizer is None and cfg.optimizer is None:
         # nothing to train with: DeepSpeed's engine for forward passes (a frozen reference model)
         if lr_scheduler is not None or cfg.scheduler is not None or training_data is not None:
@@ -224,6 +241,6 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
                               "optimizer=... or an 'optimizer' config section, or drop them for a forward-only engine")
         return ForwardEngine(model, cfg), None, None, None
     engine = DeepSpeedEngine(zerodp_initialize(model, optimizer, cfg, cast_inputs=_casts_inputs(source),
-                                               lr_scheduler=lr_scheduler))
+                                               lr_scheduler=lr_scheduler), config=source)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler

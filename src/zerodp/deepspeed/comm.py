@@ -78,3 +78,11 @@ for _name in ("all_reduce", "broadcast", "all_gather", "gather", "scatter", "red
               "monitored_barrier", "all_gather_object", "broadcast_object_list", "init_process_group"):
     globals()[_name] = _torch_collective(_name)
 del _name
+
+
+def __getattr__(name: str):
+    if name == "mori":  # `from deepspeed.comm import mori` (DeepSpeed's Qwen3 MoE example)
+        raise ImportError("deepspeed.comm.mori (MoRI, the RDMA all-to-all DeepSpeed uses for expert parallelism) is not "
+                          "provided by zerodp.deepspeed: zerodp is data parallel only, with no expert parallelism",
+                          name="deepspeed.comm.mori")
+    raise AttributeError(f"module 'zerodp.deepspeed.comm' has no attribute {name!r}")

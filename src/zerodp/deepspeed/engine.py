@@ -26,17 +26,19 @@ import torch
 from ..config import ConfigError
 from ..engine import ZeroEngine
 from ..optim.client_schedule import ClientSchedule  # noqa: F401 (zerodp.deepspeed.engine.ClientSchedule, as before)
+from .consolidated_weights import ConsolidatedWeights
 from .utils.timer import ThroughputTimer
 
 # Which engine trains a parameter (for zerodp.deepspeed.utils' per-parameter getters).
 ENGINE_OF_PARAM: "weakref.WeakValueDictionary[int, DeepSpeedEngine]" = weakref.WeakValueDictionary()
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(ConsolidatedWeights):
     """What DeepSpeed training scripts call on the engine `deepspeed.initialize` returns."""
 
-    def __init__(self, engine: ZeroEngine) -> None:
+    def __init__(self, engine: ZeroEngine, config: Any = None) -> None:
         self.engine = engine
+        self._ds_config = config  # the config as initialize got it (DeepSpeed's engine.config)
         for p in engine.module.parameters():
             ENGINE_OF_PARAM[id(p)] = self
         self.tput_timer = ThroughputTimer(engine.train_batch_size)
@@ -49,9 +51,15 @@ class DeepSpeedEngine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor, **unused) -> torch.Tensor:
-        self.engine.backward(loss)
-        return loss
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """DeepSpeed's backward: `scale_wrt_gas=False` when the caller divided the loss by the accumulation steps
+        itself (the HF Trainer); returns the loss as divided for the gradients (DeepSpeed's return value)."""
+        self.engine.backward(loss, divide_by_accumulation_steps=scale_wrt_gas, retain_graph=retain_graph)
+        return loss / self.engine.gradient_accumulation_steps if scale_wrt_gas else loss
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say before each backward whether it ends an accumulation (Accelerate does, then calls step() once)."""
+        self.engine.set_accumulation_boundary(is_boundary)
 
     def step(self, lr_kwargs=None) -> None:
         boundary = self.engine.is_accumulation_boundary  # read before step() advances the micro-step count
@@ -106,6 +114,12 @@ class DeepSpeedEngine:
 
     @property
     def config(self):
+        """The config as `initialize` got it (a dict, or the path), as DeepSpeed's engine keeps it: transformers reads
+        `engine.config.get("zero_optimization")`. zerodp's validated config is `engine.zero_config`."""
+        return self._ds_config if self._ds_config is not None else self.engine.config
+
+    @property
+    def zero_config(self):
         return self.engine.config
 
     @property

@@ -8,7 +8,8 @@
                    max_coeff, min_coeff; max_grad_norm is refused (use gradient_clipping).
     Adagrad, and any torch.optim class by name (SGD, RMSprop, ...): torch's class, as DeepSpeed does.
     OneBitAdam, ZeroOneAdam, OneBitLamb: refused (DeepSpeed asserts they do not run with ZeRO either).
-    Lion, MuAdam, MuAdamW, MuSGD: refused (not implemented in zerodp).
+    Lion: DeepSpeed's Lion update (`lion.Lion`), by name as any class above.
+    MuAdam, MuAdamW, MuSGD: refused (not implemented in zerodp).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ _REFUSED = {
     "onebitadam": "1-bit Adam does not run with ZeRO (DeepSpeed asserts the same); use Adam",
     "zerooneadam": "0/1 Adam does not run with ZeRO (DeepSpeed asserts the same); use Adam",
     "onebitlamb": "1-bit LAMB does not run with ZeRO (DeepSpeed asserts the same); use Lamb",
-    "lion": "the Lion optimizer is not implemented in zerodp; use Adam or pass your own optimizer object",
     "muadam": "mup's MuAdam is not implemented in zerodp; pass a mup optimizer object with "
               "zero_allow_untested_optimizer: true",
     "muadamw": "mup's MuAdamW is not implemented in zerodp; pass a mup optimizer object with "

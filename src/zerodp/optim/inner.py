@@ -24,12 +24,13 @@ from .fused_lamb import FusedLamb
 from ..errors import OptimizerError
 from .lamb import LAMB
 from .larc import LARC
+from .lion import Lion
 from .optimizer_list import OptimizerList
 
 # Elementwise updates: exact on any flat layout. (Adafactor, LBFGS, SparseAdam, Muon are not.)
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
                torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
-               torch.optim.Rprop, FusedAdam)
+               torch.optim.Rprop, FusedAdam, Lion)
 SHARD_AWARE = (LAMB, FusedLamb)
 
 # Updates that read a whole tensor (a matrix's orthogonalisation, row/column statistics, its RMS):
@@ -223,6 +224,8 @@ def streamed_state_names(optimizer, shape) -> tuple[str, ...]:
         return ("momentum_buffer",) if isinstance(inner, torch.optim.Muon) or inner.defaults.get("momentum") else ()
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, FusedAdam, FusedLamb)):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ())
+    if isinstance(inner, Lion):
+        return ("exp_avg",)
     return tuple(f"{type(inner).__name__}.{i}" for i in range(state_numel_per_param(inner)))
 
 
@@ -240,7 +243,7 @@ def state_numel_per_param(optimizer: OptimizerLike) -> int:
         return 1 if d.get("momentum", 0) else 0
     if isinstance(inner, torch.optim.RMSprop):
         return 1 + (d.get("momentum", 0) > 0) + bool(d.get("centered"))
-    if isinstance(inner, (torch.optim.Adagrad, torch.optim.ASGD)):
+    if isinstance(inner, (torch.optim.Adagrad, torch.optim.ASGD, Lion)):
         return 1
     if isinstance(inner, (torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                           torch.optim.Rprop, LAMB)):

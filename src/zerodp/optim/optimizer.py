@@ -55,6 +55,7 @@ from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
 from .inner import rebuild_kept
 from .checkpoint_state import CheckpointStateAccess
+from .shared_groups import share_param_groups
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
 from .step_plan import StepPlan, check_host_step
 
@@ -107,6 +108,8 @@ class ShardedOptimizer(CheckpointStateAccess):
         # same groups (the same schedule, get_lr and checkpointed hyper-parameters).
         self.group_indices = sorted({unit.group_index for unit in units})
         self.optimizer = rebuild_kept(user_optimizer, groups, self.group_indices)
+        # the user's group dicts are the inner groups (shared_groups.py): their changes reach the step
+        self.shared_groups = share_param_groups(user_optimizer, self.optimizer, self.group_indices)
         if getattr(self.optimizer, "shard_norms", None) is not None:
             self._bind_shard_layout()
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
@@ -176,6 +179,7 @@ class ShardedOptimizer(CheckpointStateAccess):
         `received` holds one flag per parameter (units concatenated): whether it got a gradient on
         any rank since the last step. None means every parameter did.
         """
+        self.shared_groups.before_step()  # refuses a user optimizer whose groups were replaced since initialize
         check_overflow = self.scaler.scale != 1.0 or self.scaler.dynamic
         if check_overflow and self._overflow():
             self.scaler.update(overflow=True)
@@ -258,6 +262,12 @@ class ShardedOptimizer(CheckpointStateAccess):
                     v[csl].copy_(tensors[k]) if k in tensors else v[csl].zero_()
 
     # -- accounting ----------------------------------------------------------------------------
+
+    @property
+    def overflow(self) -> bool:
+        """The last step was skipped (fp16 overflow, or a NaN/Inf norm under `nonfinite: skip`): DeepSpeed's ZeRO
+        optimizer's `overflow`, which Accelerate reads to hold back a scheduler it steps on the user's optimizer."""
+        return self.last_step_skipped
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 masters (when separate) plus moments."""

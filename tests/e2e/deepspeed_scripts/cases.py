@@ -61,11 +61,12 @@ _CIFAR_PATH = ("shim/cifar",)  # the torchvision stand-in; never on the path of 
 # At stage 3 the scripts create transformers' HfDeepSpeedConfig, so from_pretrained builds the model under
 # zero.Init and loads the checkpoint through GatheredParameters (zerodp.deepspeed.run's alias presents zerodp
 # as the `deepspeed` distribution HfDeepSpeedConfig asks for). SFT and DPO at stage 3 are collected (DeepSpeed's
-# losses are those of its stages 1-2, and zerodp's bitwise those); the tiny model's parameters are all under the
-# scripts' stage3_param_persistence_threshold (1e4), so none is partitioned while loading (a partitioned load
-# is tested in tests/dist/test_zero3_model_loading.py). DPO's reference model is a forward-only engine
+# losses are those of its stages 1-2, and zerodp's bitwise those). The tiny model's parameters are all under the
+# scripts' stage3_param_persistence_threshold (1e4), so at stage 3 the shim sets it to 0 in the configs they build
+# (_CHAT_PARTITIONED): every parameter is then partitioned, while loading and in training (the test checks it).
+# DPO's reference model is a forward-only engine
 # (initialize without an optimizer: zerodp.deepspeed.forward_engine), at stage 3 laid out by stage 3's strategy
-# with every parameter frozen; here all its parameters stay whole (the threshold again), so the case checks the
+# with every parameter frozen, so the case checks the
 # script's path (HfDeepSpeedConfig, two stage-3 engines, the reference model in bf16: left in fp32, its first
 # loss is 0.69599 instead of DeepSpeed's 0.69141), and tests/dist/test_deepspeed_forward_engine.py checks a
 # partitioned one (bitwise the plain module's forward, parameters sharded after it). Not the reward model:
@@ -94,6 +95,9 @@ _CHAT = dict(path=("deepspeed_chat",), local_rank=True, needs=("transformers", "
 # other) from the second step on, within 4 steps by up to 0.014 (SFT's fp32 loss of ~3.6), 2 bf16 ulps (DPO) and
 # 12 (reward model: 0.445 vs 0.402), recorded in expected_deepspeed.json under the stage-0 names. zerodp's stage 0 is bitwise its stages 1 and 2, which are
 # bitwise DeepSpeed's stages 1 and 2 here. (The cause inside DeepSpeed's stage-0 wrapper was not traced.)
+# At stage 3 the shim lowers the scripts' persistence threshold (1e4, above every parameter of the tiny model) to 0,
+# so that parameters are partitioned (shim/sitecustomize.py; the test checks that they are)
+_CHAT_PARTITIONED = (("STAGE3_PERSISTENCE_THRESHOLD", "0"),)
 _CHAT_DEFAULT = {("dpo", 2)}  # the default suite's one: two engines (one forward-only), the HF schedule, LoRA-free
 # (DPO at stage 3, ~7 s, stays out of the default suite, which is near its time budget: its engine has a dist test)
 
@@ -118,7 +122,7 @@ CASES = [
     *[Case(f"chat-{step}-bf16-stage{s}", f"deepspeed_chat/training/{_CHAT_STEPS[step]}/main.py",
            (*_CHAT_ARGS, "--data_split", "10,0,0" if step == "sft" else "0,10,0", "--zero_stage", str(s)),
            bf16=True, default=(step, s) in _CHAT_DEFAULT, compare_with=f"chat-{step}-bf16-stage1" if s == 0 else "",
-           **_CHAT)
+           **{**_CHAT, "env": _CHAT["env"] + (_CHAT_PARTITIONED if s == 3 else ())})
       for step in _CHAT_STEPS for s in (0, 1, 2, 3) if s < 3 or step != "reward"],
     # LoRA on the decoder layers, only the LoRA weights trained (frozen parameters, deepspeed.compression.helper).
     # No --output_dir: its save_hf_format calls tokenizer.save_vocabulary, which transformers 5's tokenizers lack.

@@ -1,5 +1,6 @@
-"""`deepspeed.ops`: the optimizer names scripts import (`deepspeed.ops.adam`), built as torch optimizers."""
+"""`deepspeed.ops`: the optimizer names scripts and Accelerate import (`adam`, `adagrad`, `lion`), built as torch
+optimizers or zerodp's own with the same update."""
 
-from . import adam
+from . import adagrad, adam, lion
 
-__all__ = ["adam"]
+__all__ = ["adagrad", "adam", "lion"]

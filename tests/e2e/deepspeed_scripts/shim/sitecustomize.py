@@ -27,10 +27,26 @@ if os.environ.get("RECORD_LOSSES"):
         original = DeepSpeedEngine.backward
 
         def backward(self, loss, *args, **kwargs):
+            if not _losses and os.environ.get("RECORD_ENGINE") != "deepspeed":
+                _record_partitioning(self)
             _losses.append(float(loss.detach().float().item()))
             return original(self, loss, *args, **kwargs)
 
         DeepSpeedEngine.backward = backward
+
+    def _record_partitioning(engine):
+        """zerodp's stage 3: how many of the trained parameters are partitioned, each rank holding only its shard
+        between uses (partition_rank<R>.json), so that a test can tell such a run from one whose parameters all
+        stayed whole under the persistence threshold (stage 3's persistent units: sharded gradients and optimizer
+        state, whole parameters)."""
+        units = engine.engine.units
+        record = {"stage": engine.engine.stage,
+                  "parameters": sum(len(u.layout.shapes) for u in units),
+                  "partitioned": sum(len(u.layout.shapes) for u in units
+                                     if u.layout.num_shards > 1 and not getattr(u, "persistent", False))}
+        path = os.path.join(os.environ["RECORD_LOSSES"], f"partition_rank{os.environ.get('RANK', '0')}.json")
+        with open(path, "w") as f:
+            json.dump(record, f)
 
     def _write():
         path = os.path.join(os.environ["RECORD_LOSSES"], f"losses_rank{os.environ.get('RANK', '0')}.json")
@@ -85,3 +101,38 @@ if os.environ.get("TRANSFORMERS4_NAMES") and os.environ.get("RANK") is not None:
             return spec
 
     sys.meta_path.insert(0, _ReexportNoInitWeights())
+
+
+if os.environ.get("STAGE3_PERSISTENCE_THRESHOLD") and os.environ.get("RANK") is not None:
+    # DeepSpeed-Chat's configs (dschat/utils/ds_utils.py) keep parameters under 1e4 elements whole at stage 3, and
+    # every parameter of the tests' tiny model is under that: set the threshold in the configs the script builds
+    # (train and eval alike), so its stage-3 cases partition parameters as they would on a real model.
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    class _PersistenceThreshold(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != "dschat.utils.ds_utils":
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            exec_module = spec.loader.exec_module
+
+            def exec_and_lower(module):
+                exec_module(module)
+                threshold = float(os.environ["STAGE3_PERSISTENCE_THRESHOLD"])
+                for name in ("get_train_ds_config", "get_eval_ds_config"):
+                    module.__dict__[name] = _lowered(module.__dict__[name], threshold)
+
+            spec.loader.exec_module = exec_and_lower
+            return spec
+
+    def _lowered(build, threshold):
+        def build_lowered(*args, **kwargs):
+            config = build(*args, **kwargs)
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+            return config
+
+        return build_lowered
+
+    sys.meta_path.insert(0, _PersistenceThreshold())
