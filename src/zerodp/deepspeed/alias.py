@@ -11,9 +11,13 @@ The alias also presents zerodp as the installed `deepspeed` *distribution* to co
 metadata rather than `sys.modules`: `importlib.metadata.version("deepspeed")` answers `DEEPSPEED_VERSION`
 (the DeepSpeed release whose behaviour zerodp.deepspeed follows and whose losses the script tests compare
 with). transformers' `HfDeepSpeedConfig` (DeepSpeed-Chat at stage 3) and `is_deepspeed_available()` check
-exactly that. Only `install()` adds it: a plain `import zerodp` leaves importlib.metadata untouched, and
+exactly that. Only the alias adds it: a plain `import zerodp` leaves importlib.metadata untouched, and
 an installed DeepSpeed's own metadata is never consulted while the alias is in place (the finder comes
 first), so the version seen always matches the module that `import deepspeed` gives.
+
+ZERODP_DEEPSPEED_ALIAS=1 gives every process the alias from start-up (src/_zerodp_deepspeed_alias.py, which
+calls `install()` at the first `import deepspeed`); `zerodp.deepspeed.run` sets it for the processes a script
+starts (docs/frameworks.md).
 """
 
 from __future__ import annotations
