@@ -1,7 +1,7 @@
 """Acceptance: PyTorch Lightning's DeepSpeed strategies train on zerodp with one switch, nothing changed in the
-training script: `python -m zerodp.deepspeed.run train.py` (tests/e2e/lightning_job.py, 2 ranks, the second
-started by Lightning itself). In one launch: ZeRO stages 1-3 (`DeepSpeedStrategy(config=...)`)
-equal Lightning's own DDP run (losses, lr, final parameters); a stage-3 run
+training script: docs/frameworks.md's `python -m zerodp.deepspeed.run train.py` (tests/e2e/lightning_job.py,
+2 ranks, the second started by Lightning itself). In one launch: `strategy="deepspeed_stage_1|2|3"` and
+`DeepSpeedStrategy(config=...)` equal Lightning's own DDP run (losses, lr, final parameters); a stage-3 run
 saved with `trainer.save_checkpoint` after its first epoch and resumed with `fit(ckpt_path=...)` continues as
 Lightning's DDP run saved and resumed the same way; Lightning's `convert_zero_checkpoint_to_fp32_state_dict`
 gives the parameters of the saved epoch, which load into the plain module.
@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="the frameworks extra (make setup installs it)")
+from tests.e2e.test_docs_frameworks import documented
+
+import lightning  # noqa: F401  (the frameworks extra, which make setup installs: missing, this fails)
 
 JOB = Path(__file__).resolve().parent / "lightning_job.py"
-RUNS = ["ddp", "config_stage_1", "config_stage_2", "config_stage_3"]
+RUNS = ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "config_stage_2", "deepspeed_stage_3"]
 
 
 def _close(a, b, what):
@@ -32,9 +34,8 @@ def _close(a, b, what):
 def test_lightning_deepspeed_strategies_equal_lightning_ddp(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "ZERODP_DEEPSPEED_ALIAS"}  # run.py sets it for rank 1
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "zerodp.deepspeed.run", str(JOB), "--out", str(tmp_path),
-                           "--runs", ",".join(RUNS), "--resume"], capture_output=True, text=True, timeout=540,
-                          env=env, cwd=tmp_path)
+    argv, doc_env = documented("python", JOB, "--out", str(tmp_path), "--runs", ",".join(RUNS), "--resume")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=540, env={**env, **doc_env}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     ddp = torch.load(tmp_path / "ddp.pt")
     assert len(ddp["losses"]) == 6 and ddp["lrs"] == [0.02, 0.02, 0.01, 0.01, 0.005, 0.005]  # StepLR stepped
@@ -45,9 +46,10 @@ def test_lightning_deepspeed_strategies_equal_lightning_ddp(tmp_path):
         for name, value in ddp["params"].items():
             _close(got["params"][name], value, f"{run} {name}")
 
-    ddp_resumed, resumed = torch.load(tmp_path / "ddp_resumed.pt"), torch.load(tmp_path / "config_stage_3_resumed.pt")
+    ddp_resumed, resumed = torch.load(tmp_path / "ddp_resumed.pt"), torch.load(tmp_path / "deepspeed_stage_3_resumed.pt")
     assert resumed["global_step"] == ddp_resumed["global_step"] == 6
-    assert resumed["batches"] == ddp_resumed["batches"] and resumed["lrs"] == ddp_resumed["lrs"] == [0.01, 0.005, 0.005]
+    assert resumed["batches"] == ddp_resumed["batches"]
+    assert resumed["lrs"] == ddp_resumed["lrs"] == [0.01, 0.005, 0.005]
     _close(torch.tensor(resumed["losses"]), torch.tensor(ddp_resumed["losses"]), "resumed losses")
     for name, value in ddp_resumed["params"].items():
         _close(resumed["params"][name], value, f"resumed {name}")
