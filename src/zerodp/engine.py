@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import comm
+from . import activations, comm
 from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
@@ -33,11 +33,13 @@ from .flat.grad_arithmetic import GradArithmetic
 from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
+from .module_device import place_module
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
 from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.optimizer import ShardedOptimizer, StepOutcome
+from .placement import model_device, placement_of
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
@@ -105,11 +107,14 @@ class ZeroEngine:
                                     *(() if self.autocast is None else (self.autocast.low_precision_ids, self.autocast.dtype)))
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
         self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
-        offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
+        # where each state lives (masters, optimizer state, staging buffers), decided once: placement.py
+        self.placement = placement_of(config, model_device(model))
+        offload = build_optimizer_offload(config, self.units, user_opt, process_group, self.placement)  # or None
         self.optimizer = ShardedOptimizer(
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
-            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload)
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
+            placement=self.placement)
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -338,8 +343,7 @@ class ZeroEngine:
         # hooks, the stage-3 parameter registry's entries, its reduction communicator, the offloaded shards'
         # files (the engine cannot train after this)
         self.sharding.close()
-        if self.optimizer.offload is not None:
-            self.optimizer.offload.close()
+        self.optimizer.close()  # the offload tier's stores, files and I/O threads, if any
         if self._owns_process_group:
             self._owns_process_group = False
             comm.destroy_distributed()
@@ -372,6 +376,9 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
         from .optim.vissl_optimizer import vissl_initialize_args
         optimizer, config = vissl_initialize_args(model, config)
     config = load_config(config)
+    if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
+        activations.PROCESS.adopt(config.activation_checkpointing)
     watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
     comm.init_distributed()
+    place_module(model, process_group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
     return ZeroEngine(model, optimizer, config, process_group, cast_inputs)
