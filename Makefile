@@ -11,10 +11,11 @@ setup: $(STAMP)
 # requirements/lock.txt: the versions the suite is known to pass with, installed as constraints (-c), so a
 # fresh machine gets what CI tested; pyproject.toml keeps ranges for library users. `make lock` refreshes it.
 LOCK := requirements/lock.txt
-EXTRAS := test,plot,hf,monitor
+# frameworks: Lightning (12 packages, 34 MB installed), so that `make test` runs tests/e2e/test_lightning.py
+EXTRAS := test,plot,hf,monitor,frameworks
 
 # torch is pinned and installed first: an unpinned torch pulls gigabytes of CUDA wheels.
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml setup.py $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c $(LOCK) pip
 	$(BIN)/pip install -q torch==2.13.0

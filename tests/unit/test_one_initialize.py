@@ -60,7 +60,8 @@ def test_deepspeed_initialize_is_zerodp_initialize_with_deepspeeds_input_casting
     own = zerodp.initialize(_model(), None, config)
     assert type(ds_engine.engine) is type(own) is zerodp.ZeroEngine
     assert ds_engine.engine.cast_inputs is False and own.cast_inputs is True
-    assert optimizer is ds_engine.engine.optimizer
+    # DeepSpeed's optimizer surface (zero_grad, state: deepspeed/zero_optimizer.py) over the core engine's optimizer
+    assert optimizer is ds_engine.optimizer and optimizer.optimizer is ds_engine.engine.optimizer.optimizer
     ds_engine.engine.close()
     own.close()
 

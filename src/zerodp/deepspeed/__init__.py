@@ -241,6 +241,6 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
                               "optimizer=... or an 'optimizer' config section, or drop them for a forward-only engine")
         return ForwardEngine(model, cfg), None, None, None
     engine = DeepSpeedEngine(zerodp_initialize(model, optimizer, cfg, cast_inputs=_casts_inputs(source),
-                                               lr_scheduler=lr_scheduler), config=source)
+                                               lr_scheduler=lr_scheduler), config=source, client_optimizer=optimizer)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler

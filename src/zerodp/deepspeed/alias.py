@@ -11,26 +11,29 @@ The alias also presents zerodp as the installed `deepspeed` *distribution* to co
 metadata rather than `sys.modules`: `importlib.metadata.version("deepspeed")` answers `DEEPSPEED_VERSION`
 (the DeepSpeed release whose behaviour zerodp.deepspeed follows and whose losses the script tests compare
 with). transformers' `HfDeepSpeedConfig` (DeepSpeed-Chat at stage 3) and `is_deepspeed_available()` check
-exactly that. Only `install()` adds it: a plain `import zerodp` leaves importlib.metadata untouched, and
+exactly that. Only the alias adds it: a plain `import zerodp` leaves importlib.metadata untouched, and
 an installed DeepSpeed's own metadata is never consulted while the alias is in place (the finder comes
 first), so the version seen always matches the module that `import deepspeed` gives.
+
+ZERODP_DEEPSPEED_ALIAS=1 gives every process the alias from start-up (src/_zerodp_deepspeed_alias.py, which
+calls `install()` at the first `import deepspeed`); `zerodp.deepspeed.run` sets it for the processes a script
+starts (docs/frameworks.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.metadata
 import pkgutil
 import sys
-from pathlib import Path
 
-ALIAS = "deepspeed"
-TARGET = "zerodp.deepspeed"
+# the names and the distribution live in a top-level module that imports no torch: the start-up hook of
+# ZERODP_DEEPSPEED_ALIAS=1 (every process a launcher starts) uses them before zerodp is imported
+from _zerodp_deepspeed_alias import ALIAS, DEEPSPEED_VERSION, TARGET, AliasDistribution  # noqa: F401
+from _zerodp_deepspeed_alias import AliasDistributionFinder as _AliasDistributionFinder
+
 # modules a script may run through `python -m zerodp.deepspeed.run`, not part of DeepSpeed's namespace
 _OWN = {"alias", "run"}
-# the DeepSpeed release zerodp.deepspeed follows (tests/e2e/deepspeed_scripts/expected_deepspeed.json)
-DEEPSPEED_VERSION = "0.19.8"
 
 
 class _RefuseUncovered(importlib.abc.MetaPathFinder):
@@ -41,37 +44,6 @@ class _RefuseUncovered(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"{fullname} is not provided by zerodp.deepspeed (see the README's "
                                       f"'Switching from DeepSpeed' for the modules covered)", name=fullname)
         return None
-
-
-class AliasDistribution(importlib.metadata.Distribution):
-    """The `deepspeed` distribution as importlib.metadata sees it under the alias: name, version and the
-    top-level package, nothing else (no files: `files` is None, as for a distribution without a RECORD)."""
-
-    _FILES = {
-        "METADATA": (f"Metadata-Version: 2.1\nName: {ALIAS}\nVersion: {DEEPSPEED_VERSION}\n"
-                     f"Summary: {TARGET} (zerodp) presented as DeepSpeed {DEEPSPEED_VERSION} by its module alias\n"),
-        "top_level.txt": f"{ALIAS}\n",
-    }
-
-    def read_text(self, filename):
-        return self._FILES.get(filename)
-
-    def locate_file(self, path):
-        return Path(importlib.import_module(TARGET).__file__).parent / path
-
-
-class _AliasDistributionFinder(importlib.abc.MetaPathFinder):
-    """importlib.metadata's finder for the alias's `deepspeed` distribution; imports nothing (find_spec: None)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        return None
-
-    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
-        # a query for every distribution (name None) lists it too; names compare normalized, as PEP 503 does
-        name = context.name
-        if name is None or name.replace("_", "-").replace(".", "-").lower() == ALIAS:
-            return iter([AliasDistribution()])
-        return iter([])
 
 
 def submodules() -> list[str]:

@@ -27,7 +27,9 @@ from ..config import ConfigError
 from ..engine import ZeroEngine
 from ..optim.client_schedule import ClientSchedule  # noqa: F401 (zerodp.deepspeed.engine.ClientSchedule, as before)
 from .consolidated_weights import ConsolidatedWeights
+from .checkpoint_files import write_deepspeed_files
 from .utils.timer import ThroughputTimer
+from .zero_optimizer import ZeroOptimizer
 
 # Which engine trains a parameter (for zerodp.deepspeed.utils' per-parameter getters).
 ENGINE_OF_PARAM: "weakref.WeakValueDictionary[int, DeepSpeedEngine]" = weakref.WeakValueDictionary()
@@ -36,12 +38,15 @@ ENGINE_OF_PARAM: "weakref.WeakValueDictionary[int, DeepSpeedEngine]" = weakref.W
 class DeepSpeedEngine(ConsolidatedWeights):
     """What DeepSpeed training scripts call on the engine `deepspeed.initialize` returns."""
 
-    def __init__(self, engine: ZeroEngine, config: Any = None) -> None:
+    def __init__(self, engine: ZeroEngine, config: Any = None, client_optimizer: Any = None) -> None:
         self.engine = engine
         self._ds_config = config  # the config as initialize got it (DeepSpeed's engine.config)
+        # the optimizer the caller passed to initialize (None: built from the config): a load restores its groups
+        self._client_optimizer = client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) else None
         for p in engine.module.parameters():
             ENGINE_OF_PARAM[id(p)] = self
         self.tput_timer = ThroughputTimer(engine.train_batch_size)
+        self._zero_optimizer = ZeroOptimizer(engine)
 
     # -- the training loop ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -105,12 +110,18 @@ class DeepSpeedEngine(ConsolidatedWeights):
         return self.engine.module
 
     @property
-    def optimizer(self):
-        return self.engine.optimizer
+    def optimizer(self) -> ZeroOptimizer:
+        return self._zero_optimizer
 
     @property
     def lr_scheduler(self):
         return self.engine.lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler) -> None:
+        """As in DeepSpeed, the engine steps what is set here after each optimizer step; Lightning sets None and
+        steps the schedule itself (`lr_scheduler` returned it before)."""
+        self.engine.lr_scheduler = scheduler
 
     @property
     def config(self):
@@ -251,13 +262,17 @@ class DeepSpeedEngine(ConsolidatedWeights):
     # -- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Every rank calls it; writes save_dir/tag (zerodp's sharded format) and, with
-        stage3_gather_16bit_weights_on_model_save, the 16-bit weights next to it. Returns True."""
+        """Every rank calls it; writes save_dir/tag (zerodp's sharded format), DeepSpeed-named index files for
+        tools that open DeepSpeed's (checkpoint_files.py) and, with stage3_gather_16bit_weights_on_model_save,
+        the 16-bit weights next to it. Returns True."""
         if not save_latest:
             raise ConfigError("save_checkpoint(save_latest=False) is not supported: zerodp's commit point is the "
                               "'latest' file; remove the argument")
         path = self.engine.save_checkpoint(save_dir, tag=None if tag is None else str(tag),
                                            client_state=dict(client_state or {}))
+        if self.global_rank == 0:
+            write_deepspeed_files(path, self.engine.stage, self.world_size, self.engine.global_step,
+                                  self.engine.skipped_steps, dict(client_state or {}))
         if self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             self.save_16bit_model(path, "model.safetensors")
         return True
@@ -275,7 +290,20 @@ class DeepSpeedEngine(ConsolidatedWeights):
         path = resolve_tag_dir(load_dir, None if tag is None else str(tag))
         client_state = self.engine.load_checkpoint(load_dir, tag=None if tag is None else str(tag),
                                                    load_lr_scheduler=load_lr_scheduler_states)
+        self._restore_client_groups()
         return str(path), client_state
+
+    def _restore_client_groups(self) -> None:
+        """Copy the loaded group hyper-parameters (lr, betas, ...) into the caller's optimizer: DeepSpeed loads into
+        the very optimizer it was given, and a schedule built on it (Lightning steps it itself, after restoring
+        only its counters) reads the group's lr at its next step."""
+        if self._client_optimizer is None:
+            return
+        sharded = self.engine.optimizer
+        for group, user_index in zip(sharded.param_groups, sharded.group_indices):
+            target = self._client_optimizer.param_groups[user_index]
+            if target is not group:
+                target.update({k: v for k, v in group.items() if k != "params"})
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

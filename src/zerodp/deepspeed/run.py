@@ -9,6 +9,9 @@ on sys.path and `sys.argv` = [script, ARGS...], as `python script.py ARGS` would
 
 also passes `--local_rank=<LOCAL_RANK>` first, as DeepSpeed's launcher (`deepspeed train.py`) does: some
 scripts (DeepSpeed-Chat's) take their rank only from that argument and never read the environment.
+
+It also sets ZERODP_DEEPSPEED_ALIAS=1, so every process the script starts (Lightning starts its other ranks
+as `[sys.executable, script.py, ...]`) gets the alias at start-up too (src/_zerodp_deepspeed_alias.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+
+from _zerodp_deepspeed_alias import ENV
 
 from .alias import install
 
@@ -36,6 +41,7 @@ def main(argv: list[str]) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"zerodp.deepspeed.run: no such script: {script}")
     install()
+    os.environ[ENV] = "1"  # inherited by the processes the script starts: their start-up hook installs the alias
     # DeepSpeed's launcher puts --local_rank before the script's own arguments
     sys.argv = [script, f"--local_rank={os.environ['LOCAL_RANK']}", *argv[1:]] if local_rank_argument else list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # was this package's directory under -m

@@ -3,10 +3,14 @@
     get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None)   the state dict (parameters in fp32, buffers)
     load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None)  loaded into `model` (on CPU), returned
 
+    get_optim_files(tag_dir), get_model_state_file(tag_dir, zero_stage)    DeepSpeed-named files of a tag folder
+
 `checkpoint_dir` is the folder `engine.save_checkpoint(save_dir)` wrote into (holding `latest` and the tag folders),
 `tag` one of its checkpoints (default: the latest), as in DeepSpeed. The checkpoint is zerodp's format, from any
 stage and world size (zerodp.consolidate_checkpoint reads it); DeepSpeed's own checkpoint files are not read.
-Tied weights are one tensor under every name, as DeepSpeed returns them.
+Tied weights are one tensor under every name, as DeepSpeed returns them. `get_optim_files` / `get_model_state_file`
+return the DeepSpeed-named index files `DeepSpeedEngine.save_checkpoint` writes beside zerodp's shards
+(zerodp/deepspeed/checkpoint_files.py): what PyTorch Lightning's `convert_zero_checkpoint_to_fp32_state_dict` opens.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import torch
 
 from ...checkpoint import consolidate_checkpoint
 from ...checkpoint.format import read_meta, resolve_tag_dir
+from ..checkpoint_files import find_model_state_file, find_optim_files
 
-__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint"]
+__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "get_optim_files",
+           "get_model_state_file"]
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] = None,
@@ -42,3 +48,13 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
+
+
+def get_optim_files(checkpoint_dir) -> list[str]:
+    """The per-rank optimizer files of a checkpoint's tag folder, in rank order (index files here)."""
+    return find_optim_files(checkpoint_dir)
+
+
+def get_model_state_file(checkpoint_dir, zero_stage: int) -> str:
+    """The file holding the client state of a checkpoint's tag folder, by DeepSpeed's name for `zero_stage`."""
+    return find_model_state_file(checkpoint_dir, zero_stage)
