@@ -25,6 +25,7 @@ from . import comm
 from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
+from .checkpoint.tensor_parallel import load_dir_for as tp_load_dir, tp_dir, wait_for_all as tp_wait_for_all
 from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
@@ -37,6 +38,7 @@ from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
 from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
+from .optim.model_parallel import data_parallel_group, model_parallel_norm, mpu_call
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
@@ -52,12 +54,14 @@ class ZeroEngine:
     """A model trained with ZeRO. Create it with `zerodp.initialize`."""
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig,
-                 process_group: comm.ProcessGroup = None, cast_inputs: bool = True) -> None:
+                 process_group: comm.ProcessGroup = None, cast_inputs: bool = True, mpu: Any = None) -> None:
         self.module = model
         self.config = config
-        self.process_group = process_group
         # The engine owns the default group when zerodp created it (initialize, init_context): close() ends it.
         self._owns_process_group = process_group is None and comm.owns_default_group()
+        # mpu (Megatron's): ZeRO shards over its data-parallel group; norms and overflow span the model-parallel one
+        self.mpu = mpu
+        self.process_group = process_group = data_parallel_group(mpu, process_group)
         self.rank = comm.get_rank(process_group)
         self.world_size = comm.get_world_size(process_group)
         watchdog.configure(config.comm_timeout_s, config.zero_optimization.debug_sync, rank=self.rank)
@@ -109,7 +113,8 @@ class ZeroEngine:
         self.optimizer = ShardedOptimizer(
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
-            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload)
+            sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
+            model_parallel=model_parallel_norm(mpu, model))
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -297,13 +302,21 @@ class ZeroEngine:
         """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path."""
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        if self.mpu is None:
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        tp_rank, tp_size = mpu_call(self.mpu, "get_model_parallel_rank"), mpu_call(self.mpu, "get_model_parallel_world_size")
+        path = save_checkpoint(self, tp_dir(save_dir, tp_rank, tp_size), tag=tag, client_state=client_state)
+        tp_wait_for_all(mpu_call(self.mpu, "get_model_parallel_group"))
+        return path
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
         `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
+        if self.mpu is not None:  # each tensor-parallel rank reads its own directory (checkpoint/tensor_parallel.py)
+            load_dir = tp_load_dir(load_dir, mpu_call(self.mpu, "get_model_parallel_rank"),
+                                   mpu_call(self.mpu, "get_model_parallel_world_size"))
         resumed = read_checkpoint(self, load_dir, tag=tag, load_lr_scheduler=load_lr_scheduler)
         self.scaler.load_state_dict(resumed.loss_scaler)
         if resumed.lr_scheduler is not None and self.lr_scheduler is not None:
@@ -365,13 +378,15 @@ def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroCon
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
-               process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True) -> ZeroEngine:
+               process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True, mpu: Any = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training as `config` says (README's quick start). The one place an engine is built:
-    the DeepSpeed and VISSL entries translate and call this. `cast_inputs=False`: inputs keep their dtype."""
+    the DeepSpeed and VISSL entries translate and call this. `cast_inputs=False`: inputs keep their dtype.
+    `mpu`: Megatron's model-parallel unit (or zerodp.tensor_parallel.ModelParallelUnit) of a tensor-parallel
+    model: ZeRO shards over its data-parallel group (optim/model_parallel.py)."""
     if optimizer is None:  # a VISSL file builds VISSL's param groups, which needs the model
         from .optim.vissl_optimizer import vissl_initialize_args
         optimizer, config = vissl_initialize_args(model, config)
     config = load_config(config)
     watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
     comm.init_distributed()
-    return ZeroEngine(model, optimizer, config, process_group, cast_inputs)
+    return ZeroEngine(model, optimizer, config, process_group, cast_inputs, mpu)

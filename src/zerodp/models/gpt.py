@@ -125,19 +125,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Re-draw every parameter in ``named_parameters()`` order (tied weights once)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, param in self.named_parameters():
-            if name.startswith("ln") or ".ln_" in name:
-                if name.endswith("weight"):
-                    param.fill_(1.0)
-                else:
-                    param.zero_()
-            elif name.endswith("bias"):
-                param.zero_()
-            elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
-                param.normal_(0.0, residual_std, generator=generator)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+            init_parameter(name, param, self.config.n_layer, generator)
 
     def num_parameters(self) -> int:
         """Number of parameter elements, counting a tied weight once."""
@@ -181,6 +170,22 @@ class GPT(nn.Module):
                 next_token = torch.multinomial(probs, 1, generator=generator)
             idx = torch.cat([idx, next_token.to(idx.dtype)], dim=1)
         return idx
+
+
+@torch.no_grad()
+def init_parameter(name: str, param: torch.Tensor, n_layer: int, generator: torch.Generator | None = None) -> None:
+    """GPT-2's initial value of parameter `name` (see GPT), drawn in place; models/tp_gpt.py draws with it too."""
+    if name.startswith("ln") or ".ln_" in name:
+        if name.endswith("weight"):
+            param.fill_(1.0)
+        else:
+            param.zero_()
+    elif name.endswith("bias"):
+        param.zero_()
+    elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+        param.normal_(0.0, 0.02 / math.sqrt(2 * n_layer), generator=generator)
+    else:
+        param.normal_(0.0, 0.02, generator=generator)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""Checkpoints of ZeRO beside tensor parallelism: one zerodp checkpoint per tensor-parallel rank.
+
+Each tensor-parallel rank's model is its own model (its shards of the sharded parameters, a copy of the
+replicated ones), trained by ZeRO over its data-parallel group; so each writes an ordinary zerodp
+checkpoint, of its data-parallel ranks' files, in a directory of its own:
+
+    SAVE_DIR/tp-00-of-02/<tag>/...   tensor-parallel rank 0: shard-<dp rank>-of-<dp size>.safetensors, rng-<dp rank>.json
+    SAVE_DIR/tp-01-of-02/<tag>/...   tensor-parallel rank 1
+
+so every (tp, dp) rank writes its own files, each directory commits atomically ([Note: atomic commit] in
+save_load.py), and a save returns on no rank before every tensor-parallel rank committed. A load reads
+the directory of its tensor-parallel rank at any data-parallel size (resharding as usual); another
+tensor-parallel size is refused, naming the saved one. `consolidate_tensor_parallel` merges the per-rank
+state dicts into the unsharded model's by the model's shard specs (tensor_parallel.layout).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from .. import comm
+from ..errors import CheckpointError
+from ..tensor_parallel.layout import ShardSpec, merge_state_dicts
+from .consolidate import consolidate_checkpoint
+
+_TP_DIR = re.compile(r"tp-(\d+)-of-(\d+)$")
+
+
+def tp_dir(root, tp_rank: int, tp_size: int) -> Path:
+    """Where tensor-parallel rank `tp_rank` of `tp_size` keeps its checkpoints under `root`."""
+    return Path(root) / f"tp-{tp_rank:02d}-of-{tp_size:02d}"
+
+
+def saved_tp_size(root) -> Optional[int]:
+    """The tensor-parallel size the checkpoints under `root` were written with (None: no tp-* directories)."""
+    sizes = {int(m.group(2)) for p in Path(root).iterdir() if (m := _TP_DIR.match(p.name))} \
+        if Path(root).is_dir() else set()
+    if len(sizes) > 1:
+        raise CheckpointError(f"{root} holds checkpoints of several tensor-parallel sizes {sorted(sizes)}; "
+                              f"keep one layout per directory")
+    return sizes.pop() if sizes else None
+
+
+def load_dir_for(root, tp_rank: int, tp_size: int) -> Path:
+    """This tensor-parallel rank's directory under `root`, or a CheckpointError naming the mismatch."""
+    saved = saved_tp_size(root)
+    if saved is None:
+        raise CheckpointError(f"{root} has no tensor-parallel checkpoint (tp-XX-of-YY directories); it was not "
+                              f"saved by an engine with an mpu, or the path is wrong")
+    if saved != tp_size:
+        raise CheckpointError(f"{root} was saved at tensor-parallel size {saved}, this run has {tp_size}; "
+                              f"resume with {saved} tensor-parallel ranks (data-parallel size may differ)")
+    return tp_dir(root, tp_rank, tp_size)
+
+
+def wait_for_all(model_parallel_group: comm.ProcessGroup) -> None:
+    """Return on no tensor-parallel rank before all got here (after their directories' commits)."""
+    comm.all_gather_object(True, model_parallel_group)  # note: a sync point across the tensor-parallel group
+
+
+def consolidate_tensor_parallel(root, specs: Mapping[str, ShardSpec], tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The unsharded fp32 state dict of checkpoint `tag` saved under `root` by every tensor-parallel rank,
+    merged by `specs` ({name: ShardSpec}, e.g. tensor_parallel_specs(the model of any tp rank))."""
+    size = saved_tp_size(root)
+    if size is None:
+        raise CheckpointError(f"{root} has no tensor-parallel checkpoint (tp-XX-of-YY directories)")
+    per_rank = [consolidate_checkpoint(tp_dir(root, t, size), tag) for t in range(size)]
+    return merge_state_dicts(per_rank, specs)

@@ -1,0 +1,72 @@
+"""Tensor-parallel pieces without a process group: the TP=1 GPT is gpt.py's GPT, shard specs slice and merge,
+vocab-parallel cross entropy at tp=1 is torch's, and the RNG tracker's streams."""
+
+import torch
+
+from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.models.tp_gpt import TensorParallelGPT, tp_lm_loss
+from zerodp.tensor_parallel import (RNGStatesTracker, ShardSpec, merge_shards, model_parallel_seed, shard_tensor,
+                                    tensor_parallel_specs)
+
+CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
+
+
+def test_tp1_gpt_is_gpt():
+    ref, tp = GPT(CONFIG, seed=3), TensorParallelGPT(CONFIG, seed=3)
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in tp.named_parameters()]
+    for (name, a), b in zip(ref.named_parameters(), tp.parameters()):
+        assert torch.equal(a, b), name
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    la, lb = ref(idx), tp(idx)
+    assert torch.equal(la, lb)
+    targets = idx.roll(-1, 1)
+    lossa, lossb = lm_loss(la, targets), tp_lm_loss(lb, targets)
+    # the vocab-parallel form computes log-sum-exp in its own order: equal to fp32 rounding
+    torch.testing.assert_close(lossa, lossb, rtol=1e-6, atol=1e-6)
+    lossa.backward()
+    lossb.backward()
+    for (name, a), b in zip(ref.named_parameters(), tp.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_specs_of_the_tp_gpt():
+    specs = tensor_parallel_specs(TensorParallelGPT(CONFIG, seed=0))
+    assert specs["wte.weight"] == ShardSpec(0, 1)
+    assert specs["blocks.0.attn.qkv.weight"] == ShardSpec(0, 3)
+    assert specs["blocks.0.mlp.fc.bias"] == ShardSpec(0, 1)
+    assert specs["blocks.1.mlp.proj.weight"] == ShardSpec(1, 1)
+    for replicated in ("wpe.weight", "ln_f.weight", "blocks.0.mlp.proj.bias", "blocks.0.ln_1.bias"):
+        assert replicated not in specs
+
+
+def test_megatron_attribute_is_read():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    model[0].weight.tensor_model_parallel = True
+    model[0].weight.partition_dim = 1
+    assert tensor_parallel_specs(model) == {"0.weight": ShardSpec(1, 1)}
+
+
+def test_strided_shards_merge_back():
+    whole = torch.arange(24.0).view(12, 2)
+    spec = ShardSpec(0, 3)
+    shards = [shard_tensor(whole, spec, t, 2) for t in range(2)]
+    assert shards[0][:, 0].tolist() == [0, 2, 8, 10, 16, 18]  # rank 0: first half of each of q, k, v
+    assert torch.equal(merge_shards(shards, spec), whole)
+
+
+def test_tracker_streams():
+    tracker = RNGStatesTracker()
+    model_parallel_seed(5, 1, tracker)
+    default_first = torch.rand(3)
+    with tracker.fork():
+        mp_first = torch.rand(3)
+    after = torch.rand(3)
+    model_parallel_seed(5, 1, tracker)
+    assert torch.equal(torch.rand(3), default_first)  # the fork did not move the default stream
+    assert torch.equal(torch.rand(3), after)
+    with tracker.fork():
+        assert torch.equal(torch.rand(3), mp_first)
+    other = RNGStatesTracker()
+    model_parallel_seed(5, 0, other)
+    with other.fork():
+        assert not torch.equal(torch.rand(3), mp_first)  # another tensor-parallel rank draws another stream
