@@ -25,7 +25,7 @@ from . import comm
 from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
-from .checkpoint.tensor_parallel import load_dir_for as tp_load_dir, tp_dir, wait_for_all as tp_wait_for_all
+from .checkpoint.tensor_parallel import rank_dir as tp_rank_dir, wait_for_all as tp_wait_for_all
 from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
@@ -38,7 +38,8 @@ from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
 from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
-from .optim.model_parallel import data_parallel_group, model_parallel_norm, mpu_call
+from .optim.model_parallel import data_parallel_group, model_parallel_norm
+from .tensor_parallel.mpu import mpu_call
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
@@ -304,8 +305,7 @@ class ZeroEngine:
         self.sync_written_shards()
         if self.mpu is None:
             return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
-        tp_rank, tp_size = mpu_call(self.mpu, "get_model_parallel_rank"), mpu_call(self.mpu, "get_model_parallel_world_size")
-        path = save_checkpoint(self, tp_dir(save_dir, tp_rank, tp_size), tag=tag, client_state=client_state)
+        path = save_checkpoint(self, self.tensor_parallel_dir(save_dir), tag=tag, client_state=client_state)
         tp_wait_for_all(mpu_call(self.mpu, "get_model_parallel_group"))
         return path
 
@@ -315,8 +315,7 @@ class ZeroEngine:
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
         if self.mpu is not None:  # each tensor-parallel rank reads its own directory (checkpoint/tensor_parallel.py)
-            load_dir = tp_load_dir(load_dir, mpu_call(self.mpu, "get_model_parallel_rank"),
-                                   mpu_call(self.mpu, "get_model_parallel_world_size"))
+            load_dir = self.tensor_parallel_dir(load_dir, saved=True)
         resumed = read_checkpoint(self, load_dir, tag=tag, load_lr_scheduler=load_lr_scheduler)
         self.scaler.load_state_dict(resumed.loss_scaler)
         if resumed.lr_scheduler is not None and self.lr_scheduler is not None:
@@ -329,6 +328,10 @@ class ZeroEngine:
         if resumed.rng is not None:  # ranks beyond the saved world size keep their own RNG states
             set_rng_state(resumed.rng)
         return resumed.client_state
+
+    def tensor_parallel_dir(self, root, saved: bool = False):
+        """This tensor-parallel rank's checkpoint directory under `root` (`saved`: check the saved layout first)."""
+        return tp_rank_dir(self.mpu, root, saved)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""

@@ -53,13 +53,20 @@ def micro_batch(step: int, micro: int, dp_rank: int) -> tuple[torch.Tensor, torc
 class TPRun:
     """One TP x DP training run on this rank: the mpu, the tracker, the model and its engine."""
 
-    def __init__(self, stage: int, opt_name: str, **zero) -> None:
+    def __init__(self, stage: int, opt_name: str, *, extra: dict | None = None, via_deepspeed: bool = False,
+                 **zero) -> None:
         self.mpu = ModelParallelUnit(TP)
         self.tracker = RNGStatesTracker()
-        model = TensorParallelGPT(CFG, self.mpu, rng=self.tracker, seed=SEED)
+        self.model = model = TensorParallelGPT(CFG, self.mpu, rng=self.tracker, seed=SEED)
         self.specs = tensor_parallel_specs(model)
-        self.engine = zerodp.initialize(model, make_optimizer(opt_name, model.parameters()), config(stage, **zero),
-                                        mpu=self.mpu)
+        cfg = {**config(stage, **zero), **(extra or {})}
+        optimizer = make_optimizer(opt_name, model.parameters())
+        if via_deepspeed:  # Megatron-DeepSpeed's call: deepspeed.initialize(model=..., mpu=mpu)
+            import zerodp.deepspeed as deepspeed
+
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=self.mpu)
+        else:
+            self.engine = zerodp.initialize(model, optimizer, cfg, mpu=self.mpu)
         model_parallel_seed(SEED, self.mpu.get_tensor_model_parallel_rank(), self.tracker)
 
     def train(self, steps: range) -> tuple[list[float], list[float]]:

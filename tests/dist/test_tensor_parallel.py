@@ -54,8 +54,46 @@ def checkpoint_case(root: str) -> dict:
             "consolidated": consolidated}
 
 
+def deepspeed_case() -> dict:
+    """Stage 1 through zerodp.deepspeed.initialize(mpu=...): the same run as zerodp.initialize's, and
+    DeepSpeed's rank getters read the 2-D layout."""
+    run = TPRun(1, "adamw", via_deepspeed=True)
+    losses, norms = run.train(range(STEPS))
+    e = run.engine
+    getters = (e.global_rank, e.world_size, e.dp_world_size, e.mp_world_size)
+    full = e.engine.full_state_dict()
+    run.close()
+    return {"losses": losses, "norms": norms, "full": full, "getters": getters}
+
+
+def overflow_case() -> dict:
+    """fp16, stage 2: on the first step an inf reaches a gradient on tensor-parallel rank 1 only; every rank
+    of both groups skips it, so the scales and the tensor-parallel copies stay alike."""
+    run = TPRun(2, "adamw", extra={"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}})
+    if run.mpu.get_tensor_model_parallel_rank() == 1:
+        poisoned = {"left": 1}
+
+        def poison(grad):
+            if poisoned["left"]:
+                poisoned["left"] -= 1
+                return torch.full_like(grad, float("inf"))
+            return grad
+
+        run.model.blocks[0].mlp.fc.weight.register_hook(poison)
+    before = {k: v.detach().float().clone() for k, v in run.model.named_parameters()}
+    run.train(range(1))
+    unchanged = all(torch.equal(before[k], v.detach().float()) for k, v in run.model.named_parameters())
+    scale_after_skip = run.engine.loss_scale
+    run.train(range(1, 2))
+    out = {"unchanged": unchanged, "scale_after_skip": scale_after_skip, "skipped": run.engine.skipped_steps,
+           "ln_f": run.model.ln_f.weight.detach().float().clone()}
+    run.close()
+    return out
+
+
 def all_cases(root: str) -> dict:
-    return {"train": train_cases(), "checkpoint": checkpoint_case(root)}
+    return {"train": train_cases(), "checkpoint": checkpoint_case(root), "deepspeed": deepspeed_case(),
+            "overflow": overflow_case()}
 
 
 def test_tp2_dp2_equals_unsharded(dist_run):
@@ -100,3 +138,17 @@ def test_tp2_dp2_equals_unsharded(dist_run):
     for key in saved:
         assert torch.equal(consolidated[key], saved[key]), f"consolidated {key} is not the saved model's"
     assert consolidated["blocks.0.attn.qkv.weight"].shape == (3 * CFG.n_embd, CFG.n_embd)
+
+    for rank, result in enumerate(results):  # zerodp.deepspeed.initialize(mpu=) runs zerodp.initialize(mpu=)'s steps
+        ds, own = result["deepspeed"], result["train"][1]
+        assert ds["losses"] == own[0] and ds["norms"] == own[1], f"rank {rank}: the adapter's run differs"
+        assert ds["getters"] == (rank, TP * DP, DP, TP), f"rank {rank}: global_rank, world, dp, mp: {ds['getters']}"
+    for t in range(TP):
+        assert all(torch.equal(results[t]["deepspeed"]["full"][k], results[t]["train"][1][2][k])
+                   for k in results[t]["train"][1][2])
+
+    for rank, result in enumerate(results):  # fp16: one tensor-parallel rank's inf skips the step everywhere
+        o = result["overflow"]
+        assert o["unchanged"] and o["skipped"] == 1 and o["scale_after_skip"] == 128.0, f"rank {rank}: {o}"
+        # the replicated LayerNorm took the same later step on every rank
+        assert torch.equal(o["ln_f"], results[0]["overflow"]["ln_f"]), f"rank {rank}: ln_f diverged"

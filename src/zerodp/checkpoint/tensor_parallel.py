@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from .. import comm
 from ..errors import CheckpointError
 from ..tensor_parallel.layout import ShardSpec, merge_state_dicts
+from ..tensor_parallel.mpu import mpu_call
 from .consolidate import consolidate_checkpoint
 
 _TP_DIR = re.compile(r"tp-(\d+)-of-(\d+)$")
@@ -55,6 +56,12 @@ def load_dir_for(root, tp_rank: int, tp_size: int) -> Path:
         raise CheckpointError(f"{root} was saved at tensor-parallel size {saved}, this run has {tp_size}; "
                               f"resume with {saved} tensor-parallel ranks (data-parallel size may differ)")
     return tp_dir(root, tp_rank, tp_size)
+
+
+def rank_dir(mpu: Any, root, saved: bool = False) -> Path:
+    """This tensor-parallel rank's directory under `root` (`saved`: for loading, the saved layout checked first)."""
+    rank, size = mpu_call(mpu, "get_model_parallel_rank"), mpu_call(mpu, "get_model_parallel_world_size")
+    return load_dir_for(root, rank, size) if saved else tp_dir(root, rank, size)
 
 
 def wait_for_all(model_parallel_group: comm.ProcessGroup) -> None:

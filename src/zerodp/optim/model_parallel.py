@@ -26,31 +26,9 @@ import torch
 from .. import comm
 from ..flat.grad_shard import square_norm
 from ..seams import ShardedUnit
+from ..tensor_parallel.mpu import check_mpu, mpu_call
 
 log = logging.getLogger("zerodp")
-
-REQUIRED_MPU_METHODS = ("get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",
-                        "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size")
-
-
-def check_mpu(mpu: Any) -> None:
-    """One clear error if `mpu` lacks a method ZeRO reads (Megatron's names; the `tensor_model_parallel`
-    spellings are accepted for the model-parallel ones)."""
-    missing = [m for m in REQUIRED_MPU_METHODS
-               if not callable(getattr(mpu, m, None))
-               and not callable(getattr(mpu, m.replace("_model_parallel", "_tensor_model_parallel"), None))]
-    if missing:
-        raise TypeError(f"mpu={type(mpu).__name__} lacks {', '.join(missing)}: pass Megatron's mpu module or "
-                        f"zerodp.tensor_parallel.ModelParallelUnit, which have them")
-
-
-def mpu_call(mpu: Any, name: str):
-    """mpu.<name>(), or its `tensor_model_parallel` spelling (Megatron-LM's newer name)."""
-    fn = getattr(mpu, name, None)
-    if not callable(fn):
-        fn = getattr(mpu, name.replace("_model_parallel", "_tensor_model_parallel"))
-    return fn()
-
 
 class ModelParallelNorm:
     """The norm and overflow rules of the module docstring, for one tensor-parallel rank."""
