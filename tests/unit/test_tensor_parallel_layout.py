@@ -70,3 +70,59 @@ def test_tracker_streams():
     model_parallel_seed(5, 0, other)
     with other.fork():
         assert not torch.equal(torch.rand(3), mp_first)  # another tensor-parallel rank draws another stream
+
+
+def test_bad_inputs_get_one_clear_error(tmp_path):
+    import pytest
+
+    from zerodp.checkpoint.tensor_parallel import load_dir_for, tp_dir
+    from zerodp.errors import CheckpointError
+    from zerodp.optim.model_parallel import data_parallel_group
+    from zerodp.tensor_parallel import merge_state_dicts
+
+    class NoDataParallel:
+        def get_model_parallel_group(self):
+            return None
+
+    with pytest.raises(TypeError, match="lacks get_model_parallel_rank.*get_data_parallel_group"):
+        data_parallel_group(NoDataParallel(), None)
+
+    class Mpu:  # Megatron-LM's newer spellings only
+        def __getattr__(self, name):
+            if "tensor_model_parallel" in name or "data_parallel" in name:
+                return lambda: "group" if name.endswith("group") else 0
+            raise AttributeError(name)
+
+    assert data_parallel_group(Mpu(), None) == "group"
+    with pytest.raises(ValueError, match="either process_group= or mpu="):
+        data_parallel_group(Mpu(), object())
+    import zerodp.tensor_parallel.layers as layers
+
+    with pytest.MonkeyPatch.context() as mp:  # the size checks run before any collective
+        mp.setattr(layers, "group_rank_and_size", _fake_rank_and_size)
+        with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):
+            TensorParallelGPT(CONFIG, _FakeMpu(3))
+    with pytest.raises(ValueError, match="does not split into 3 block"):
+        shard_tensor(torch.zeros(6, 2), ShardSpec(0, 3), 0, 4)
+    with pytest.raises(ValueError, match="other keys"):
+        merge_state_dicts([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], {})
+    with pytest.raises(CheckpointError, match="no tensor-parallel checkpoint"):
+        load_dir_for(tmp_path, 0, 2)
+    tp_dir(tmp_path, 0, 2).mkdir()
+    with pytest.raises(CheckpointError, match="saved at tensor-parallel size 2, this run has 4"):
+        load_dir_for(tmp_path, 0, 4)
+    assert load_dir_for(tmp_path, 1, 2) == tmp_path / "tp-01-of-02"
+
+
+class _FakeMpu:
+    """A tensor-parallel group of `size` ranks as seen by the layers' size checks (no process group needed)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_tensor_model_parallel_group(self):
+        return self
+
+
+def _fake_rank_and_size(group):
+    return (0, 1) if group is None else (0, group.size)
