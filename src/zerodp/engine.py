@@ -25,7 +25,7 @@ from . import comm
 from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
-from .checkpoint.tensor_parallel import rank_dir as tp_rank_dir, wait_for_all as tp_wait_for_all
+from .checkpoint.tensor_parallel import rank_dir as tp_rank_dir, wait_for_all as tp_wait_for_all, write_layout as tp_write_layout
 from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
@@ -39,6 +39,7 @@ from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
 from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.model_parallel import data_parallel_group, model_parallel_norm
+from .tensor_parallel.layout import tensor_parallel_specs
 from .tensor_parallel.mpu import mpu_call
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .precision import LossScaler, PrecisionPolicy, cast_floats
@@ -306,6 +307,8 @@ class ZeroEngine:
         if self.mpu is None:
             return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
         path = save_checkpoint(self, self.tensor_parallel_dir(save_dir), tag=tag, client_state=client_state)
+        if self.rank == 0 and mpu_call(self.mpu, "get_model_parallel_rank") == 0:
+            tp_write_layout(save_dir, self.optimizer.model_parallel.world_size, tensor_parallel_specs(self.module))
         tp_wait_for_all(mpu_call(self.mpu, "get_model_parallel_group"))
         return path
 

@@ -19,7 +19,7 @@ import zerodp
 from zerodp.models.gpt import GPTConfig, lm_loss
 from zerodp.models.tp_gpt import TensorParallelGPT, tp_lm_loss
 from zerodp.tensor_parallel import (MODEL_PARALLEL_RNG, ModelParallelUnit, RNGStatesTracker, merge_state_dicts,
-                                    model_parallel_seed, tensor_parallel_specs)
+                                    seed_model_parallel, tensor_parallel_specs)
 from zerodp.tensor_parallel.random import MODEL_PARALLEL_SEED_OFFSET
 
 TP, DP = 2, 2
@@ -31,8 +31,9 @@ CLIP = 0.05  # below every step's norm here (~0.3-1): clipping acts on every ste
 def config(stage: int, **zero) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO_BS, "gradient_accumulation_steps": GAS,
             "gradient_clipping": CLIP,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 300,
-                                  "stage3_param_persistence_threshold": 0, **zero}}
+            "zero_optimization": {"stage": stage, **zero, **(  # several buckets or units per tensor-parallel rank
+                {"stage3_param_persistence_threshold": 0} if stage == 3 else
+                {"reduce_bucket_size": 500, "allgather_bucket_size": 300})}}
 
 
 def make_optimizer(name: str, params):
@@ -67,7 +68,7 @@ class TPRun:
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=self.mpu)
         else:
             self.engine = zerodp.initialize(model, optimizer, cfg, mpu=self.mpu)
-        model_parallel_seed(SEED, self.mpu.get_tensor_model_parallel_rank(), self.tracker)
+        seed_model_parallel(self.tracker, SEED, self.mpu.get_tensor_model_parallel_rank())
 
     def train(self, steps: range) -> tuple[list[float], list[float]]:
         losses, norms = [], []

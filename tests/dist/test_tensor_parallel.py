@@ -9,12 +9,14 @@ consolidation merges into the unsharded model.
 """
 
 import tempfile
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from tests.dist.common import assert_adam_params_close, assert_trained
 from tests.dist.tensor_parallel_common import CFG, DP, SEED, TP, TPRun, reference_run, unsharded
-from zerodp.checkpoint.tensor_parallel import consolidate_tensor_parallel
+from zerodp.checkpoint.consolidate import consolidate_tensor_parallel, save_consolidated
 from zerodp.models.tp_gpt import TensorParallelGPT
 
 STEPS = 3
@@ -49,7 +51,11 @@ def checkpoint_case(root: str) -> dict:
     resumed = fresh.engine.full_state_dict()
     specs = fresh.specs
     fresh.close()
-    consolidated = consolidate_tensor_parallel(root, specs, tag="s2") if torch.distributed.get_rank() == 0 else None
+    consolidated = None
+    if torch.distributed.get_rank() == 0:  # from the layout recorded at save time, and given the model's specs
+        consolidated = consolidate_tensor_parallel(root, tag="s2")
+        given = consolidate_tensor_parallel(root, specs, tag="s2")
+        assert all(torch.equal(consolidated[k], given[k]) for k in given)
     return {"cont": (cont_losses, cont), "resumed": (resumed_losses, resumed), "saved": saved_full,
             "consolidated": consolidated}
 
@@ -99,6 +105,8 @@ def all_cases(root: str) -> dict:
 def test_tp2_dp2_equals_unsharded(dist_run):
     with tempfile.TemporaryDirectory() as root:
         results = dist_run(TP * DP, all_cases, root, timeout=300)
+        # `zerodp consolidate`'s writer: the merged model in one file
+        merged_file = load_file(str(save_consolidated(root, Path(root) / "merged.safetensors", tag="s2")))
     init = dict(TensorParallelGPT(CFG, seed=SEED).named_parameters())
     for stage, opt_name, _ in CASES:
         ref_losses, ref_norms, ref_params = reference_run(opt_name, STEPS)
@@ -138,6 +146,7 @@ def test_tp2_dp2_equals_unsharded(dist_run):
     for key in saved:
         assert torch.equal(consolidated[key], saved[key]), f"consolidated {key} is not the saved model's"
     assert consolidated["blocks.0.attn.qkv.weight"].shape == (3 * CFG.n_embd, CFG.n_embd)
+    assert set(merged_file) == set(saved) and all(torch.equal(merged_file[k], saved[k]) for k in saved)
 
     for rank, result in enumerate(results):  # zerodp.deepspeed.initialize(mpu=) runs zerodp.initialize(mpu=)'s steps
         ds, own = result["deepspeed"], result["train"][1]

@@ -5,7 +5,7 @@ import torch
 
 from zerodp.models.gpt import GPT, GPTConfig, lm_loss
 from zerodp.models.tp_gpt import TensorParallelGPT, tp_lm_loss
-from zerodp.tensor_parallel import (RNGStatesTracker, ShardSpec, merge_shards, model_parallel_seed, shard_tensor,
+from zerodp.tensor_parallel import (RNGStatesTracker, ShardSpec, merge_shards, seed_model_parallel, shard_tensor,
                                     tensor_parallel_specs)
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
@@ -56,18 +56,18 @@ def test_strided_shards_merge_back():
 
 def test_tracker_streams():
     tracker = RNGStatesTracker()
-    model_parallel_seed(5, 1, tracker)
+    seed_model_parallel(tracker, 5, 1)
     default_first = torch.rand(3)
     with tracker.fork():
         mp_first = torch.rand(3)
     after = torch.rand(3)
-    model_parallel_seed(5, 1, tracker)
+    seed_model_parallel(tracker, 5, 1)
     assert torch.equal(torch.rand(3), default_first)  # the fork did not move the default stream
     assert torch.equal(torch.rand(3), after)
     with tracker.fork():
         assert torch.equal(torch.rand(3), mp_first)
     other = RNGStatesTracker()
-    model_parallel_seed(5, 0, other)
+    seed_model_parallel(other, 5, 0)
     with other.fork():
         assert not torch.equal(torch.rand(3), mp_first)  # another tensor-parallel rank draws another stream
 

@@ -6,28 +6,30 @@ checkpoint, of its data-parallel ranks' files, in a directory of its own:
 
     SAVE_DIR/tp-00-of-02/<tag>/...   tensor-parallel rank 0: shard-<dp rank>-of-<dp size>.safetensors, rng-<dp rank>.json
     SAVE_DIR/tp-01-of-02/<tag>/...   tensor-parallel rank 1
+    SAVE_DIR/tensor_parallel.json    the size and which parameters are sharded, how (written by world rank 0)
 
 so every (tp, dp) rank writes its own files, each directory commits atomically ([Note: atomic commit] in
 save_load.py), and a save returns on no rank before every tensor-parallel rank committed. A load reads
 the directory of its tensor-parallel rank at any data-parallel size (resharding as usual); another
 tensor-parallel size is refused, naming the saved one. `consolidate_tensor_parallel` merges the per-rank
-state dicts into the unsharded model's by the model's shard specs (tensor_parallel.layout).
+state dicts (consolidate.py) into the unsharded model's by the recorded shard specs (tensor_parallel.layout),
+and `zerodp consolidate SAVE_DIR OUT` writes that merged model.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import torch
-
 from .. import comm
 from ..errors import CheckpointError
-from ..tensor_parallel.layout import ShardSpec, merge_state_dicts
+from ..tensor_parallel.layout import ShardSpec
 from ..tensor_parallel.mpu import mpu_call
-from .consolidate import consolidate_checkpoint
 
+LAYOUT_FILE = "tensor_parallel.json"
 _TP_DIR = re.compile(r"tp-(\d+)-of-(\d+)$")
 
 
@@ -64,16 +66,26 @@ def rank_dir(mpu: Any, root, saved: bool = False) -> Path:
     return load_dir_for(root, rank, size) if saved else tp_dir(root, rank, size)
 
 
+def write_layout(root, tp_size: int, specs: Mapping[str, ShardSpec]) -> None:
+    """Record the tensor-parallel layout beside the rank directories (one rank calls it), so consolidation
+    needs no model: LAYOUT_FILE holds the size and each sharded parameter's [dim, stride]."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{LAYOUT_FILE}.tmp"
+    tmp.write_text(json.dumps({"tensor_parallel_size": tp_size,
+                               "specs": {name: [spec.dim, spec.stride] for name, spec in specs.items()}}, indent=1))
+    os.replace(tmp, root / LAYOUT_FILE)
+
+
+def read_layout(root) -> dict[str, ShardSpec]:
+    """The specs `write_layout` recorded under `root`, or a CheckpointError naming what is missing."""
+    path = Path(root) / LAYOUT_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the layout of the tensor-parallel parameters is unknown; pass "
+                              f"specs=tensor_parallel_specs(model) to consolidate_tensor_parallel")
+    return {name: ShardSpec(dim, stride) for name, (dim, stride) in json.loads(path.read_text())["specs"].items()}
+
+
 def wait_for_all(model_parallel_group: comm.ProcessGroup) -> None:
     """Return on no tensor-parallel rank before all got here (after their directories' commits)."""
     comm.all_gather_object(True, model_parallel_group)  # note: a sync point across the tensor-parallel group
-
-
-def consolidate_tensor_parallel(root, specs: Mapping[str, ShardSpec], tag: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The unsharded fp32 state dict of checkpoint `tag` saved under `root` by every tensor-parallel rank,
-    merged by `specs` ({name: ShardSpec}, e.g. tensor_parallel_specs(the model of any tp rank))."""
-    size = saved_tp_size(root)
-    if size is None:
-        raise CheckpointError(f"{root} has no tensor-parallel checkpoint (tp-XX-of-YY directories)")
-    per_rank = [consolidate_checkpoint(tp_dir(root, t, size), tag) for t in range(size)]
-    return merge_state_dicts(per_rank, specs)

@@ -22,7 +22,7 @@ The forward returns this rank's slice of the logits; `tp_lm_loss` is the vocab-p
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,9 @@ class TensorParallelGPT(nn.Module):
             ColumnParallelLinear(config.n_embd, config.vocab_size, self.group, bias=False)
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.reset_parameters(generator)
+        # Activation checkpointing of the blocks: None, or a function called as fn(block, x) (e.g. DeepSpeed's
+        # deepspeed.checkpointing.checkpoint, which partitions the kept inputs over the tensor-parallel group)
+        self.checkpoint_fn: Optional[Callable[..., torch.Tensor]] = None
 
     @torch.no_grad()
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
@@ -137,7 +140,7 @@ class TensorParallelGPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.checkpoint_fn is None else self.checkpoint_fn(block, x)
         x = self.ln_f(x)
         return self.wte.parallel_logits(x) if self.lm_head is None else self.lm_head(x)
 

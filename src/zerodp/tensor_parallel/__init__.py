@@ -11,10 +11,10 @@ from .layout import ShardSpec, merge_shards, merge_state_dicts, shard_tensor, sh
 from .mappings import (copy_to_tensor_parallel, gather_from_tensor_parallel, reduce_from_tensor_parallel,
                        scatter_to_tensor_parallel)
 from .mpu import ModelParallelUnit
-from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seed
+from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, seed_model_parallel
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "ShardSpec", "merge_shards", "merge_state_dicts", "shard_tensor", "sharded_parameter_ids",
            "tensor_parallel_specs", "copy_to_tensor_parallel", "gather_from_tensor_parallel",
            "reduce_from_tensor_parallel", "scatter_to_tensor_parallel", "ModelParallelUnit", "MODEL_PARALLEL_RNG",
-           "RNGStatesTracker", "model_parallel_seed"]
+           "RNGStatesTracker", "seed_model_parallel"]

@@ -61,7 +61,7 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Draw from stream `name` inside the block; torch's default streams continue unchanged after it."""
         if name not in self._states:
-            raise KeyError(f"random stream {name!r} was never added; call model_parallel_seed(seed, tp_rank, tracker) "
+            raise KeyError(f"random stream {name!r} was never added; call seed_model_parallel(tracker, seed, tp_rank) "
                            f"or tracker.add({name!r}, seed) first")
         cpu, cuda = self._states[name]
         cpu_before = torch.get_rng_state()
@@ -79,7 +79,7 @@ class RNGStatesTracker:
                 torch.cuda.set_rng_state(cuda_before)
 
 
-def model_parallel_seed(seed: int, tensor_parallel_rank: int, tracker: RNGStatesTracker) -> None:
+def seed_model_parallel(tracker: RNGStatesTracker, seed: int, tensor_parallel_rank: int) -> None:
     """Seed torch's default generators with `seed` (alike on every rank) and `tracker`'s model-parallel stream
     with `seed + 2718 + tensor_parallel_rank` (Megatron's `model_parallel_cuda_manual_seed`)."""
     torch.manual_seed(seed)
