@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from tests.dist.common import assert_adam_params_close, assert_trained
 from tests.dist.tensor_parallel_common import CFG, DP, SEED, TP, TPRun, reference_run, unsharded
 from zerodp.checkpoint.consolidate import consolidate_tensor_parallel, save_consolidated
+from zerodp.models.gpt import GPT
 from zerodp.models.tp_gpt import TensorParallelGPT
 
 STEPS = 3
@@ -147,6 +148,10 @@ def test_tp2_dp2_equals_unsharded(dist_run):
         assert torch.equal(consolidated[key], saved[key]), f"consolidated {key} is not the saved model's"
     assert consolidated["blocks.0.attn.qkv.weight"].shape == (3 * CFG.n_embd, CFG.n_embd)
     assert set(merged_file) == set(saved) and all(torch.equal(merged_file[k], saved[k]) for k in saved)
+    gpt = GPT(CFG)  # the merged model is gpt.py's GPT (its lm_head.weight is the tied wte.weight)
+    loaded = gpt.load_state_dict(merged_file, strict=False)
+    assert loaded.missing_keys == ["lm_head.weight"] and not loaded.unexpected_keys
+    assert torch.equal(gpt.lm_head.weight, merged_file["wte.weight"])
 
     for rank, result in enumerate(results):  # zerodp.deepspeed.initialize(mpu=) runs zerodp.initialize(mpu=)'s steps
         ds, own = result["deepspeed"], result["train"][1]

@@ -126,3 +126,20 @@ class _FakeMpu:
 
 def _fake_rank_and_size(group):
     return (0, 1) if group is None else (0, group.size)
+
+
+def test_tensor_parallel_without_marked_parameters_is_logged(caplog):
+    from zerodp.optim.model_parallel import model_parallel_norm
+
+    class Mpu:
+        def __getattr__(self, name):
+            return lambda: 2 if name.endswith("world_size") else (None if name.endswith("group") else 0)
+
+    with caplog.at_level("WARNING", logger="zerodp"):
+        rule = model_parallel_norm(Mpu(), torch.nn.Linear(2, 2))
+    assert rule.world_size == 2 and not rule.sharded_ids
+    assert "marks no parameter as tensor-parallel" in caplog.text
+    caplog.clear()
+    rule = model_parallel_norm(Mpu(), TensorParallelGPT(CONFIG, seed=0))
+    # wte; per block attn.qkv.weight, attn.proj.weight, mlp.fc.weight and .bias, mlp.proj.weight
+    assert len(rule.sharded_ids) == 1 + 2 * 5 and not caplog.text
