@@ -68,6 +68,11 @@ def deepspeed_case() -> dict:
     losses, norms = run.train(range(STEPS))
     e = run.engine
     getters = (e.global_rank, e.world_size, e.dp_world_size, e.mp_world_size)
+    from zerodp.deepspeed import zero
+    from tests.dist.tensor_parallel_common import config
+
+    # zero.Init(mpu=) creates stage-3 parameters partitioned over the same data-parallel group
+    assert zero.Init(config_dict_or_path=config(3), mpu=run.mpu).group is run.mpu.get_data_parallel_group()
     full = e.engine.full_state_dict()
     run.close()
     return {"losses": losses, "norms": norms, "full": full, "getters": getters}
