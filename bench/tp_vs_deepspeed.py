@@ -1,6 +1,6 @@
 """TP 2 x DP 2: DeepSpeed 0.19.8 against zerodp on the tensor-parallel GPT of tests/dist/tensor_parallel_common.py
 (dropout with the model-parallel RNG tracker, GAS 2, clipping 0.05 on every step, 3 steps), 4 gloo ranks, both
-through DeepSpeed's API with `mpu=` (zerodp.tensor_parallel.ModelParallelUnit). Prints one JSON line per rank:
+through DeepSpeed's API with `mpu=` (zerodp.tensor_parallel.ModelParallelUnit). Prints one JSON line per rank (bench/results/tp_vs_deepspeed.jsonl holds them):
 per-micro-step losses and per-step global gradient norms. Run (results in bench/results/tp_vs_deepspeed.md):
 
     DS_ACCELERATOR=cpu ENGINE=deepspeed STAGE=1 bench/.venv/bin/python -m torch.distributed.run --nproc_per_node 4 bench/tp_vs_deepspeed.py
@@ -34,7 +34,8 @@ mpu = ModelParallelUnit(2)
 tracker = RNGStatesTracker()
 model = TensorParallelGPT(CFG, mpu, rng=tracker, seed=SEED)
 params = dict(model.named_parameters())
-for name, spec in tensor_parallel_specs(model).items():  # Megatron's attributes, which DeepSpeed reads
+MARK = os.environ.get("MARK", "1") == "1"  # MARK=0: no attributes (DeepSpeed then counts every parameter once)
+for name, spec in (tensor_parallel_specs(model) if MARK else {}).items():  # Megatron's attributes, DeepSpeed reads them
     params[name].tensor_model_parallel = True
     params[name].partition_dim, params[name].partition_stride = spec.dim, spec.stride
 cfg = config(STAGE)
@@ -50,8 +51,12 @@ for step in range(STEPS):
         losses.append(loss.item())
     norm = engine.get_global_grad_norm()
     norms.append(float(norm) if norm is not None else None)
-print(json.dumps({"engine": ENGINE, "stage": STAGE, "opt": OPT, "rank": dist.get_rank(),
-                  "tp": mpu.get_tensor_model_parallel_rank(), "dp": mpu.get_data_parallel_rank(),
-                  "losses": losses, "grad_norms": norms}), flush=True)
+line = json.dumps({"engine": ENGINE, "stage": STAGE, "opt": OPT, "marked": MARK, "rank": dist.get_rank(),
+                   "tp": mpu.get_tensor_model_parallel_rank(), "dp": mpu.get_data_parallel_rank(),
+                   "losses": losses, "grad_norms": norms})
+for r in range(dist.get_world_size()):  # one rank at a time: lines printed together interleave
+    if r == dist.get_rank():
+        print(line, flush=True)
+    dist.barrier()
 mpu.destroy()
 dist.destroy_process_group()
