@@ -21,11 +21,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import comm
+from . import activations, comm
 from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
-from .checkpoint.tensor_parallel import rank_dir as tp_rank_dir, wait_for_all as tp_wait_for_all, write_layout as tp_write_layout
+from .checkpoint.tensor_parallel import rank_dir as tp_rank_dir, save_per_rank as tp_save
 from .comm import watchdog
 from .config import ZeroConfig, load_config
 from .config.auto import resolve_auto
@@ -34,14 +34,14 @@ from .flat.grad_arithmetic import GradArithmetic
 from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
 from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
+from .module_device import place_module
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
 from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
 from .optim.model_parallel import data_parallel_group, model_parallel_norm
-from .tensor_parallel.layout import tensor_parallel_specs
-from .tensor_parallel.mpu import mpu_call
 from .optim.optimizer import ShardedOptimizer, StepOutcome
+from .placement import model_device, placement_of
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
@@ -111,12 +111,14 @@ class ZeroEngine:
                                     *(() if self.autocast is None else (self.autocast.low_precision_ids, self.autocast.dtype)))
         self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
         self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
-        offload = build_optimizer_offload(config, self.units, user_opt, process_group)  # offload tier or None
+        # where each state lives (masters, optimizer state, staging buffers), decided once: placement.py
+        self.placement = placement_of(config, model_device(model))
+        offload = build_optimizer_offload(config, self.units, user_opt, process_group, self.placement)  # or None
         self.optimizer = ShardedOptimizer(
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            model_parallel=model_parallel_norm(mpu, model))
+            placement=self.placement, model_parallel=model_parallel_norm(mpu, model))
         # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
         self.lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -304,13 +306,9 @@ class ZeroEngine:
         """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path."""
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
-        if self.mpu is None:
-            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
-        path = save_checkpoint(self, self.tensor_parallel_dir(save_dir), tag=tag, client_state=client_state)
-        if self.rank == 0 and mpu_call(self.mpu, "get_model_parallel_rank") == 0:
-            tp_write_layout(save_dir, self.optimizer.model_parallel.world_size, tensor_parallel_specs(self.module))
-        tp_wait_for_all(mpu_call(self.mpu, "get_model_parallel_group"))
-        return path
+        def save(root):
+            return save_checkpoint(self, root, tag=tag, client_state=client_state)
+        return save(save_dir) if self.mpu is None else tp_save(self.mpu, self.rank, self.module, save_dir, save)
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
@@ -357,8 +355,7 @@ class ZeroEngine:
         # hooks, the stage-3 parameter registry's entries, its reduction communicator, the offloaded shards'
         # files (the engine cannot train after this)
         self.sharding.close()
-        if self.optimizer.offload is not None:
-            self.optimizer.offload.close()
+        self.optimizer.close()  # the offload tier's stores, files and I/O threads, if any
         if self._owns_process_group:
             self._owns_process_group = False
             comm.destroy_distributed()
@@ -393,6 +390,10 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
         from .optim.vissl_optimizer import vissl_initialize_args
         optimizer, config = vissl_initialize_args(model, config)
     config = load_config(config)
+    if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
+        activations.PROCESS.adopt(config.activation_checkpointing)
     watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
     comm.init_distributed()
+    # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
+    place_module(model, process_group if mpu is None else data_parallel_group(mpu, process_group))
     return ZeroEngine(model, optimizer, config, process_group, cast_inputs, mpu)

@@ -151,6 +151,7 @@ class CheckpointEngine(Protocol):
     scaler: Any
     sharding: ShardingStrategy
     optimizer: CheckpointOptimizer
+    placement: Any  # placement.Placement: where masters live and collectives run (compute.device)
 
     @property
     def units(self) -> Sequence[ShardedUnit]: ...

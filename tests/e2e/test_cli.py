@@ -127,6 +127,7 @@ def test_options_override_config_file_and_defaults(tmp_path, monkeypatch):
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the default --nproc without a GPU: 2
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000},
                                "bf16": {"enabled": True}}))

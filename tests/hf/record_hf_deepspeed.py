@@ -35,12 +35,14 @@ STEPS, WARMUP = 6, 3  # as template_worker.py
 def _keep_gloo_only() -> None:
     """DeepSpeed's init_distributed may hand torch "cpu:gloo,cuda:nccl", which this CPU-only torch refuses; keep the
     gloo entry (test instrumentation of the reference run only)."""
+    import torch
     import torch.distributed as dist
 
     original = dist.init_process_group
 
     def init_process_group(backend=None, *args, **kwargs):
-        if isinstance(backend, str) and ":" in backend and not dist.is_nccl_available():
+        # NCCL built is not a GPU present (zerodp/comm/backend.py): a CUDA torch without a GPU refuses it too
+        if isinstance(backend, str) and ":" in backend and not (dist.is_nccl_available() and torch.cuda.is_available()):
             backend = ",".join(e for e in backend.split(",") if not e.strip().endswith(":nccl"))
         return original(backend, *args, **kwargs)
 

@@ -128,3 +128,36 @@ def test_tag_resolution(tmp_path):
     assert fmt.resolve_tag_dir(tmp_path) == tmp_path / ".trash-step2"
     with pytest.raises(CheckpointError, match=r"tag 'step9' not found .* \(available tags: step1\)"):
         fmt.resolve_tag_dir(tmp_path, "step9")
+
+
+def test_tensors_copied_on_their_way_to_the_file_are_written_intact(tmp_path):
+    """Issue 31 item 1: the writer copies a tensor that is not a contiguous CPU tensor (`.cpu()` of a GPU
+    tensor, `.contiguous()` of a strided one) and wrote the copy's bytes after it was freed: on one H100
+    every bias and small weight of a checkpoint was garbage. Transposed tensors take the same copy on CPU;
+    small ones (<= 1 KiB) are the ones malloc reuses at once, and all 40 came back corrupted before the fix."""
+    torch.manual_seed(0)
+    tensors = {f"t{i}": torch.randn(5, 3 + i % 7).t() for i in range(40)}
+    tensors["bf16"] = torch.randn(3, 4).to(torch.bfloat16).t()
+    path = tmp_path / "x.safetensors"
+    digest = fmt.write_tensor_file(path, tensors)
+    assert digest == fmt.sha256_file(path)
+    reader = TensorFileReader(path)
+    for key, t in tensors.items():
+        assert torch.equal(reader.get_tensor(key), t), key
+
+
+def test_tensor_bytes_keeps_its_tensor_alive_and_refuses_what_it_cannot_view():
+    import gc
+    import weakref
+
+    t = torch.arange(6, dtype=torch.float32)
+    alive = weakref.ref(t)
+    view = fmt.tensor_bytes(t)
+    del t
+    gc.collect()
+    assert alive() is not None and bytes(view) == torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    del view
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        fmt.tensor_bytes(torch.zeros(3, 2).t())

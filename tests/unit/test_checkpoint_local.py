@@ -297,3 +297,24 @@ def test_writing_the_consolidated_file(ckpt, tmp_path):
     loaded = torch.load(path, weights_only=True)
     consolidated = zerodp.consolidate_checkpoint(ckpt)
     assert all(torch.equal(loaded[k], v) for k, v in consolidated.items())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_save_whose_tensors_are_copied_to_the_host_resumes_exactly(tmp_path, monkeypatch, stage):
+    """Issue 31 item 1 on the CPU: on a GPU every tensor the writer saves is first copied to the host
+    (`.cpu()` returns a new tensor), and those copies were freed before their bytes were written, so the
+    small ones (biases, gain, out/unused weights) resumed as garbage. Here `.cpu()` copies as it does on a
+    GPU; the bf16 run of the GPU test resumes bit for bit."""
+    config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+    engine = engine_for(make_model(), config=config)
+    train(engine, 2)
+    saved = engine.full_state_dict()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: self.clone())  # a new tensor, as from a GPU
+        engine.save_checkpoint(tmp_path)
+    resumed = engine_for(make_model(seed=3), config=config)
+    resumed.load_checkpoint(tmp_path)
+    loaded = resumed.full_state_dict()
+    assert [k for k in saved if not torch.equal(loaded[k], saved[k])] == []
+    state, resumed_state = engine.optimizer.state_of(0), resumed.optimizer.state_of(0)
+    assert all(torch.equal(state[k], resumed_state[k]) for k in ("exp_avg", "exp_avg_sq"))

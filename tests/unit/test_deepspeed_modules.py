@@ -78,12 +78,30 @@ def test_log_dist_logs_without_a_process_group(caplog):
 
 
 def test_backend_list_keeps_what_torch_has():
-    nccl = torch.distributed.is_nccl_available()
+    nccl = torch.distributed.is_nccl_available() and torch.cuda.is_available()
     assert _usable_backend("gloo") == "gloo"
     assert _usable_backend("cpu:gloo,cuda:nccl") == ("cpu:gloo,cuda:nccl" if nccl else "cpu:gloo")
     if not nccl:
         with pytest.raises(RuntimeError, match="none of these backends"):
             _usable_backend("cuda:nccl")
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_nccl_built_without_a_gpu_chooses_gloo(monkeypatch, gpu):
+    """A CUDA build of torch on a machine without a GPU (issue 31, item 4): NCCL is built, no GPU is visible,
+    and every backend choice must fall back to gloo; with a GPU, NCCL stays."""
+    from zerodp.comm import backend
+
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert _usable_backend("cpu:gloo,cuda:nccl") == ("cpu:gloo,cuda:nccl" if gpu else "cpu:gloo")
+    assert backend.default_backend() == ("nccl" if gpu else "gloo")  # comm.init_distributed's choice
+    if not gpu:
+        with pytest.raises(RuntimeError, match="NCCL needs a visible GPU"):
+            _usable_backend("cuda:nccl")
+    # the choice as data: NCCL needs both answers
+    assert [backend.choose_backend(c, n) for c, n in ((True, True), (True, False), (False, True), (False, False))] \
+        == ["nccl", "gloo", "gloo", "gloo"]
 
 
 @pytest.fixture

@@ -73,10 +73,21 @@ def _pair(measured: float, predicted: float) -> str:
     return f"{format_bytes(measured)} / {format_bytes(predicted)}"
 
 
+def _cuda_peak(rank: dict) -> str:
+    """A CUDA rank's peak device memory beside its peak RSS: measured / predicted (memory/peak_device.py)."""
+    measured = rank.get("peak_cuda_bytes")
+    if measured is None:
+        return ""
+    predicted = rank.get("peak_cuda_bytes_predicted")
+    return (f"; CUDA peak {format_bytes(measured)} / "
+            + ("-" if predicted is None else format_bytes(predicted)))
+
+
 def render_summary(run: dict, ranks: list[dict]) -> str:
     """The end-of-run table: per-rank model-state bytes (measured / predicted), peak RSS, then the run.
 
-    `ranks` holds one `MemoryReport.as_dict()` per rank plus `peak_rss_bytes`; `run` holds the
+    `ranks` holds one `MemoryReport.as_dict()` per rank plus `peak_rss_bytes` (and on CUDA `peak_cuda_bytes`,
+    `peak_cuda_bytes_predicted`: printed in the peak column as "RSS; CUDA peak measured / predicted"); `run` holds the
     figures named below (None where a figure does not exist, e.g. no checkpoint).
     """
     lines = [f"zerodp train summary: stage {run['stage']}, {run['world_size']} rank(s), model {run['model']} "
@@ -91,9 +102,7 @@ def render_summary(run: dict, ranks: list[dict]) -> str:
         lines.append(f"| {r['rank']} | {_pair(r['params_bytes'], r['params_bytes_predicted'])} | "
                      f"{_pair(r['grads_bytes'], r['grads_bytes_predicted'])} | "
                      f"{_pair(r['optimizer_bytes'], r['optimizer_bytes_predicted'])} | "
-                     f"{_pair(measured, predicted)} | {format_bytes(r['peak_rss_bytes'])}"
-                     + (f" (CUDA peak {format_bytes(r['peak_cuda_bytes'])})" if r.get("peak_cuda_bytes") else "")
-                     + " |")
+                     f"{_pair(measured, predicted)} | {format_bytes(r['peak_rss_bytes'])}{_cuda_peak(r)} |")
     padding = ranks[0].get("padding_numel", 0) if ranks else 0
     lines.append(f"(measured exceeds predicted by the {padding} padding element(s) that make shards even; the "
                  f"gradient column is what is allocated at the end of a step)")
@@ -106,6 +115,16 @@ def render_summary(run: dict, ranks: list[dict]) -> str:
     def row(name: str, value) -> None:
         lines.append(f"{name:<16}{value}")
 
+    r = ranks[0] if ranks else {}
+    if r.get("activation_checkpointing"):
+        row("activations", f"checkpoints kept per rank, measured / predicted: device "
+            f"{_pair(r['activation_kept_device'], r['activation_kept_device_predicted'])}, host "
+            f"{_pair(r['activation_kept_host'], r['activation_kept_host_predicted'])}; activation peak predicted "
+            f"{format_bytes(r['activation_device_predicted'])} per rank "
+            f"({format_bytes(r['activation_device_predicted_off'])} without checkpointing)")
+    elif "activation_device_predicted_off" in r:
+        row("activations", f"not checkpointed: {format_bytes(r['activation_device_predicted_off'])} per rank "
+            f"predicted (--checkpoint-activations keeps only each block's input; zerodp estimate --model)")
     row("tokens/s", f"{run['tokens_per_s']:,.0f} (all ranks, mean over the timed steps)")
     row("step time", f"{run['step_time_s']:.3f} s (mean)")
     row("loss", f"{run['initial_loss']:.4f} -> {run['final_loss']:.4f} (train; final is the mean of the "
@@ -150,3 +169,24 @@ def plot_loss(out_dir: Path, rows: list[dict], val_loss: Optional[float], title:
     fig.savefig(path)
     plt.close(fig)
     return path, ""
+
+
+def activation_report(args, micro_batch: int) -> dict:
+    """This rank's activation figures: checkpoints kept (measured peak, device and host) and the formula's
+    prediction with the run's settings, and without checkpointing (memory/activation_memory.py)."""
+    from ..activations import DEVICE, HOST, PROCESS
+    from ..memory.activation_memory import activation_memory
+    from ..models.gpt import MODEL_PRESETS
+
+    section = args.config.get("activation_checkpointing")
+    elem = 4 if args.precision == "fp32" else 2
+    shape = (MODEL_PRESETS[args.model], micro_batch, args.seq_len, elem)
+    off = activation_memory(*shape)
+    out = {"activation_checkpointing": section is not None, "activation_device_predicted_off": off.device}
+    if section is not None:
+        on = activation_memory(*shape, checkpointing=True, cpu_checkpointing=bool(section.get("cpu_checkpointing")))
+        kept = PROCESS.current().kept_bytes.peak
+        out.update(activation_kept_device=kept[DEVICE], activation_kept_host=kept[HOST],
+                   activation_kept_device_predicted=on.kept_device, activation_kept_host_predicted=on.kept_host,
+                   activation_device_predicted=on.device)
+    return out

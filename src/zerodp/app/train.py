@@ -35,9 +35,10 @@ from .. import comm
 from ..memory import format_bytes
 from . import run_folder
 from .corpus import ByteCorpus
+from .device import predicted_peak_cuda_bytes, rank_device, sample_generator
 from ..models.gpt import GPT, MODEL_PRESETS, lm_loss
 from .train_args import TrainArgs, under_torchrun
-from .report import MetricsLog, format_log_line, plot_loss, read_metrics, render_summary
+from .report import MetricsLog, activation_report, format_log_line, plot_loss, read_metrics, render_summary
 
 WARMUP_FRACTION = 0.05   # linear warm-up over the first 5% of steps, then cosine decay to 10% of lr
 VAL_BATCHES = 8          # micro-batches per rank for the validation loss
@@ -98,10 +99,8 @@ def _build_optimizer(model: GPT, args: TrainArgs):
 
 
 def _device() -> torch.device:
-    """This rank's GPU when CUDA is available (NCCL needs CUDA tensors), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """This rank's GPU when CUDA is available (NCCL needs CUDA tensors), else the CPU (device.py)."""
+    return rank_device(torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _mean_over_ranks(value: float) -> float:
@@ -131,10 +130,11 @@ def evaluate(engine, corpus: ByteCorpus, args: TrainArgs) -> float:
 def sample_text(engine, args: TrainArgs) -> str:
     """Top-k sample from the trained model. Runs on every rank: under stage 3 each forward gathers
     parameters collectively, so all ranks must take the same number of forwards (same seed, same text).
-    As in `evaluate`, units gathered by the first token's forward stay gathered until engine.train()."""
+    As in `evaluate`, units gathered by the first token's forward stay gathered until engine.train().
+    The generator lives on the prompt's device (device.sample_generator_device): on a GPU, a CUDA one."""
     engine.eval()
     prompt = ByteCorpus.encode(SAMPLE_PROMPT).long()[None].to(_device())
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = sample_generator(prompt.device, args.seed)
     tokens = engine.module.generate(prompt, SAMPLE_NEW_BYTES, temperature=SAMPLE_TEMPERATURE,
                                     top_k=SAMPLE_TOP_K, generator=generator)
     engine.train()
@@ -178,6 +178,8 @@ def _run_worker(args: TrainArgs) -> dict:
     torch.manual_seed(args.seed)
     model = GPT(MODEL_PRESETS[args.model], seed=args.seed).to(_device())
     engine = zerodp.initialize(model, _build_optimizer(model, args), args.config)
+    if "activation_checkpointing" in args.config:  # --checkpoint-activations, or the config's section
+        model.checkpoint_fn = zerodp.activations.checkpoint  # as the section configured it (in initialize)
     try:
         return _train(engine, args, model, out, rank, world, wall_start)
     finally:
@@ -272,11 +274,14 @@ def _finish(engine, corpus: ByteCorpus, args: TrainArgs, history: list[dict], nu
     report = engine.memory_report().as_dict()
     # Stage-3 units small enough to stay whole on every rank (the formula assumes everything sharded).
     report["persistent_param_bytes"] = sum(u.param_bytes() for u in engine.units if getattr(u, "persistent", False))
+    if torch.cuda.is_available():  # the training steps' peak, before validation and the sample gather more
+        report["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+        report["peak_cuda_bytes_predicted"] = predicted_peak_cuda_bytes(args.model, engine.config, world, args.seq_len)
     checkpoint, checkpoint_note = _save_checkpoint(engine, args, args.steps)
     val_loss = evaluate(engine, corpus, args)
     sample = sample_text(engine, args)
+    report.update(activation_report(args, engine.micro_batch_size))
     report["peak_rss_bytes"] = _peak_rss_bytes()
-    report["peak_cuda_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     ranks = comm.all_gather_object(report)
     if rank != 0:
         return {}

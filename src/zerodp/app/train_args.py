@@ -19,6 +19,7 @@ import torch
 from ..config import load_config
 from ..errors import UsageError
 from . import run_folder
+from .device import default_nproc, visible_gpus
 from ..models.gpt import MODEL_PRESETS
 
 DEFAULT_STAGE = 3
@@ -114,6 +115,8 @@ def resolve_train_args(opts: dict) -> TrainArgs:
         config["train_micro_batch_size_per_gpu"] = opts["micro_batch"]
     elif "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
         config["train_micro_batch_size_per_gpu"] = DEFAULT_MICRO_BATCH
+    if opts.get("checkpoint_activations"):  # an empty section: checkpointing with DeepSpeed's defaults
+        config = _deep_merge(config, {"activation_checkpointing": {}})
     if opts.get("precision") is not None:
         p = opts["precision"]
         config = _deep_merge(config, {"bf16": {"enabled": p == "bf16"}, "fp16": {"enabled": p == "fp16"}})
@@ -121,11 +124,12 @@ def resolve_train_args(opts: dict) -> TrainArgs:
         config = _deep_merge(config, {"optimizer": {"params": {"lr": opts["lr"]}}})
     validated = load_config(config)  # raises ConfigError
 
-    nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else pick("nproc", 2)
+    gpus = visible_gpus()
+    # default: one rank per GPU there is, 2 CPU ranks without one (device.default_nproc)
+    nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else pick("nproc", default_nproc(gpus))
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
     validated.resolve_batch(nproc)  # raises ConfigError when the batch keys disagree with the world size
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and not under_torchrun() and nproc > gpus:
         raise UsageError(f"--nproc {nproc} is more than the {gpus} GPU(s); with CUDA each rank needs its own GPU")
     if validated.optimizer is not None:

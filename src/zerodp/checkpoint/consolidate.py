@@ -197,7 +197,9 @@ def full_state_dict(engine: CheckpointEngine, rank0_only: bool = True) -> dict[s
     gathered: dict[str, torch.Tensor] = {}
     for unit, master in sharded_units(engine):
         source = master if master is not None else unit.param_shard  # frozen units (stage 3) have no master
-        flat = gather_flat(unit.layout, source, engine.sharding.state_group, chunk_numel, keep)
+        # masters may live on the host (ZeRO-Offload) while the group's collectives run on the model's device
+        flat = gather_flat(unit.layout, source, engine.sharding.state_group, chunk_numel, keep,
+                           device=engine.placement.compute.device)
         if keep:
             for p, offset, numel, shape in zip(unit.params, unit.layout.offsets, unit.layout.numels,
                                                unit.layout.shapes):
@@ -216,29 +218,33 @@ def full_state_dict(engine: CheckpointEngine, rank0_only: bool = True) -> dict[s
     return out
 
 
-def gather_flat(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool) -> Optional[torch.Tensor]:
-    """The unit's whole flat buffer as fp32 on CPU where `keep`, from every rank's shard."""
+def gather_flat(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool,
+                device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+    """The unit's whole flat buffer as fp32 on CPU where `keep`, from every rank's shard. `device`: where the
+    group's collectives run (NCCL: the GPU, while a host master is on the CPU); None: the shard's device."""
     if layout.num_shards == 1:
         return shard.detach().float().cpu().clone() if keep else None
+    device = shard.device if device is None else device
     if not layout.even_shards:
-        return _gather_uneven(layout, shard, group, chunk_numel, keep)
+        return _gather_uneven(layout, shard, group, chunk_numel, keep, device)
     world, shard_numel = layout.num_shards, layout.shard_numel
     out = torch.empty(layout.padded_numel, dtype=torch.float32) if keep else None
     per_rank = max(1, min(shard_numel, chunk_numel // world))
-    staging = torch.empty(world * per_rank, dtype=shard.dtype, device=shard.device)
+    staging = torch.empty(world * per_rank, dtype=shard.dtype, device=device)
     for lo in range(0, shard_numel, per_rank):  # the staging buffer bounds memory on every rank
         hi = min(lo + per_rank, shard_numel)
         part = staging[:world * (hi - lo)]
-        comm.all_gather(part, shard.detach()[lo:hi], group, tag="checkpoint")
+        comm.all_gather(part, shard.detach()[lo:hi].to(device), group, tag="checkpoint")
         if keep:
             out.view(world, shard_numel)[:, lo:hi].copy_(part.view(world, hi - lo))
     return out
 
 
-def _gather_uneven(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool) -> Optional[torch.Tensor]:
+def _gather_uneven(layout, shard: torch.Tensor, group, chunk_numel: int, keep: bool,
+                   device: torch.device) -> Optional[torch.Tensor]:
     """`gather_flat` for shards of unequal sizes: each owner broadcasts its shard, `chunk_numel` at a time."""
     out = torch.empty(layout.padded_numel, dtype=torch.float32) if keep else None
-    staging = torch.empty(max(1, min(chunk_numel, layout.shard_numel)), dtype=shard.dtype, device=shard.device)
+    staging = torch.empty(max(1, min(chunk_numel, layout.shard_numel)), dtype=shard.dtype, device=device)
     mine = comm.get_rank(group)
     for r, (start, end) in enumerate(layout.shard_ranges()):
         for lo, hi in chunk_ranges(end - start, staging.numel()):

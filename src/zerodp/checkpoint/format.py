@@ -122,11 +122,8 @@ class TensorStream(NamedTuple):
 def write_tensor_file(path: Path, tensors: Union[Mapping[str, torch.Tensor], TensorStream],
                       metadata: Optional[dict[str, str]] = None) -> str:
     """Write `tensors` (a dict, or a `TensorStream`) as a safetensors file, streaming each one (views
-    are not copied on CPU).
-
-    Returns the file's sha256. The format: an 8-byte little-endian header length, a JSON header
-    giving each tensor's dtype, shape and byte range, then the tensors' bytes back to back.
-    """
+    are not copied on CPU); returns the file's sha256. The format: an 8-byte little-endian header
+    length, a JSON header giving each tensor's dtype, shape and byte range, then the tensors' bytes."""
     if not isinstance(tensors, TensorStream):
         tensors = TensorStream([(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], tensors.items())
     out = _HashingWriter(path)
@@ -139,7 +136,8 @@ def write_tensor_file(path: Path, tensors: Union[Mapping[str, torch.Tensor], Ten
                 raise CheckpointError(f"internal error: tensor {key!r} ({t.dtype}, {t.numel()} elements) does not "
                                       f"match the header's entry {spec}; the file {path} is incomplete")
             if t.numel():
-                # one tensor at a time reaches the CPU, so a GPU shard is never copied whole
+                # one tensor at a time reaches the CPU, so a GPU shard is never copied whole; a copy lives
+                # until written: [Note: a raw address does not own its tensor]
                 out.write(tensor_bytes(t.detach().reshape(-1).contiguous().cpu()))
         missing = [spec[0] for spec in specs]
         if missing:
@@ -170,11 +168,17 @@ def safetensors_header(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
 def tensor_bytes(flat: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy.
-
-    Through ctypes, not .numpy(): a numpy export makes the storage non-resizable for good, and
-    offloaded parameter shards free and re-attach theirs (offload/shard_store.py)."""
-    return memoryview((ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr()))
+    """The bytes of a contiguous CPU tensor, without a copy (not .numpy(): a numpy export makes the storage
+    non-resizable for good, and offloaded shards free and re-attach theirs); the view keeps `flat` alive.
+    [Note: a raw address does not own its tensor] A ctypes array made `from_address` holds no reference, so
+    `tensor_bytes(t.cpu())` read freed memory wherever `.cpu()` / `.contiguous()` made a new tensor (a GPU or
+    strided `t`): a GPU checkpoint saved its biases as garbage its sha256 vouched for (issue 31)."""
+    if flat.device.type != "cpu" or not flat.is_contiguous():
+        raise ValueError(f"tensor_bytes needs a contiguous CPU tensor, not one on {flat.device} "
+                         f"(contiguous: {flat.is_contiguous()}); call .contiguous().cpu() first")
+    array = (ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
+    array._owner = flat  # the memoryview holds the array, which now holds the tensor
+    return memoryview(array)
 
 
 def write_json(path: Path, obj: Any) -> str:

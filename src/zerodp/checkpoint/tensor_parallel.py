@@ -22,11 +22,11 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .. import comm
 from ..errors import CheckpointError
-from ..tensor_parallel.layout import ShardSpec
+from ..tensor_parallel.layout import ShardSpec, tensor_parallel_specs
 from ..tensor_parallel.mpu import mpu_call
 
 LAYOUT_FILE = "tensor_parallel.json"
@@ -84,6 +84,16 @@ def read_layout(root) -> dict[str, ShardSpec]:
         raise CheckpointError(f"{path} is missing: the layout of the tensor-parallel parameters is unknown; pass "
                               f"specs=tensor_parallel_specs(model) to consolidate_tensor_parallel")
     return {name: ShardSpec(dim, stride) for name, (dim, stride) in json.loads(path.read_text())["specs"].items()}
+
+
+def save_per_rank(mpu: Any, dp_rank: int, model, root, save: Callable[[Path], str]) -> str:
+    """`save(directory)` into this tensor-parallel rank's directory under `root`, the layout of `model`'s
+    sharded parameters beside them (world rank 0), and no rank returns before every one committed."""
+    path = save(rank_dir(mpu, root))
+    if dp_rank == 0 and mpu_call(mpu, "get_model_parallel_rank") == 0:
+        write_layout(root, mpu_call(mpu, "get_model_parallel_world_size"), tensor_parallel_specs(model))
+    wait_for_all(mpu_call(mpu, "get_model_parallel_group"))
+    return path
 
 
 def wait_for_all(model_parallel_group: comm.ProcessGroup) -> None:

@@ -135,8 +135,7 @@ def shapes(ns: argparse.Namespace):
     import torch
 
     from ..app.train_args import DEFAULT_MICRO_BATCH
-    from ..memory import estimate_activation_bytes
-    from ..memory.model_shape import module_shape, run_shape_of, uniform_shape
+    from ..memory.model_shape import gpt_shape, run_shape_of, uniform_shape
     from ..scaling.workload import parse_count
 
     config = _config(ns)
@@ -150,17 +149,11 @@ def shapes(ns: argparse.Namespace):
         raise UsageError(f"{ns.config or 'the options'}: {err}") from None
     run = run_shape_of(config, world, ns.optimizer, has_gpu=torch.cuda.is_available())
     if ns.model is not None:
-        from ..models.gpt import GPT
-
         gpt = _gpt_config(ns)
         seq_len = ns.seq_len or gpt.block_size
         if not 1 <= seq_len <= gpt.block_size:
             raise UsageError(f"--seq-len must be in 1..{gpt.block_size}, the model's block_size")
-        elem = run.param_bytes
-        act = estimate_activation_bytes(gpt, micro, seq_len, elem)
-        blocks = act - estimate_activation_bytes(dataclasses.replace(gpt, n_layer=0), micro, seq_len, elem)
-        with torch.device("meta"):  # shapes only: no memory, no initialisation
-            model = module_shape(GPT(gpt), config, act, blocks / act)
+        model = gpt_shape(gpt, config, micro, seq_len, run.param_bytes)
         what = f"GPT {ns.model}{' with ' + ns.gpt if ns.gpt else ''}: {model.numel:,} parameters, micro-batch " \
                f"{micro} x {seq_len} tokens"
     else:

@@ -28,7 +28,8 @@ PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
 STAGE_NAMES = {0: "baseline DP (nothing sharded)", 1: "Pos (optimizer states)", 2: "Pos+g (+ gradients)",
                3: "Pos+g+p (+ parameters)"}
 TRAIN_OPTIONS = ("config", "stage", "nproc", "steps", "model", "micro_batch", "seq_len", "lr", "precision",
-                 "resume", "out", "log_every", "seed", "save_every", "max_restarts", "overwrite", "tag")
+                 "resume", "out", "log_every", "seed", "save_every", "max_restarts", "overwrite", "tag",
+                 "checkpoint_activations")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,8 +94,8 @@ def _add_train(sub) -> None:
     p.add_argument("--stage", type=int, choices=range(4), metavar="{0,1,2,3}",
                    help=f"ZeRO stage: 0 plain data parallel, 1 shards optimizer states, 2 also gradients, 3 also "
                         f"parameters (default {DEFAULT_STAGE}; sets zero_optimization.stage)")
-    p.add_argument("--nproc", type=int, metavar="N", help="local ranks to launch, one process each (default 2; "
-                   "more than the CPU cores is allowed but warned about)")
+    p.add_argument("--nproc", type=int, metavar="N", help="local ranks to launch, one process each (default: one per "
+                   "GPU there is, 2 without a GPU; more than the CPU cores is allowed but warned about)")
     p.add_argument("--steps", type=int, metavar="S", help=f"optimizer steps of the whole run, counting steps "
                    f"done before a --resume (default {DEFAULT_STEPS})")
     p.add_argument("--model", choices=list(MODEL_PRESETS), help="GPT preset (default small, ~3.3M parameters; "
@@ -119,6 +120,9 @@ def _add_train(sub) -> None:
                    f"the newest 2 (default {DEFAULT_SAVE_EVERY}; 0: only at the end)")
     p.add_argument("--max-restarts", type=int, metavar="N", help="when a rank dies, restart every rank up to N "
                    "times from the newest checkpoint (torch's elastic agent; default 0)")
+    p.add_argument("--checkpoint-activations", action="store_true", default=None, help="checkpoint every "
+                   "block's activations (recomputed in backward), kept as the config's activation_checkpointing "
+                   "section says (which also switches this on); the summary shows the activation memory")
     p.add_argument("--log-every", type=int, metavar="K", help="print a log line every K steps (default 25)")
     p.add_argument("--seed", type=int, metavar="S", help="seed of the initial weights, the data order and the "
                    "sample (default 0)")
@@ -170,6 +174,8 @@ def _add_estimate(sub) -> None:
                         f"(default {DEFAULT_MICRO_BATCH})")
     p.add_argument("--seq-len", type=int, metavar="T", help="with --model: tokens per sequence (default: the "
                    "model's block_size)")
+    p.add_argument("--tp", type=int, default=2, metavar="T", help="with --model: the tensor-parallel degree the "
+                   "partitioned-activation (Pa) rows of the activation table assume (default 2)")
     from .estimate_rss import add_peak_options
     add_peak_options(p)
     p.set_defaults(func=_cmd_estimate)
@@ -243,22 +249,20 @@ def render_estimate(numel: float, world_size: int, precision: str, optimizer: st
 
 
 def _render_model_extras(model: str, numel: int, world_size: int, precision: str, micro_batch: int,
-                         seq_len: int) -> str:
+                         seq_len: int, tp: int = 2) -> str:
     from ..config import ZeroOptimizationConfig
-    from ..memory import estimate_activation_bytes, format_bytes
+    from ..memory import format_bytes
+    from ..memory.activation_memory import render_activation_table
 
     cfg = MODEL_PRESETS[model]
     elem = 2 if precision == "mixed" else 4
-    act = estimate_activation_bytes(cfg, micro_batch, seq_len, elem)
-    act_ckpt = estimate_activation_bytes(cfg, micro_batch, seq_len, elem, checkpointing=True)
     zero = ZeroOptimizationConfig()
     bucket = min(zero.reduce_bucket_size, numel) * elem
     live = min(zero.stage3_max_live_parameters, numel) * elem
     return "\n".join([
-        f"activations per rank, one micro-batch of {micro_batch} x {seq_len} tokens, {elem}-byte elements: "
-        f"{format_bytes(act)} ({format_bytes(act_ckpt)} with activation checkpointing per block)",
+        render_activation_table(cfg, micro_batch, seq_len, elem, tp),
         "  assumes: fused SDPA attention (no T x T matrix saved), dropout off, the loss's fp32 log-probabilities "
-        "(B*T*V*4 bytes); not sharded by ZeRO, the same at every stage (memory.estimate_activation_bytes)",
+        "(B*T*V*4 bytes); not sharded by ZeRO-DP, the same at every stage (memory/activation_memory.py)",
         "temporary buffers per rank, upper bounds from the config defaults (not in the table above):",
         f"  stage 2: a full gradient bucket while it is reduced, min(reduce_bucket_size, Psi) elements = "
         f"{format_bytes(bucket)}",
@@ -325,9 +329,9 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         block = MODEL_PRESETS[ns.model].block_size
         seq_len = ns.seq_len or block
         micro_batch = DEFAULT_MICRO_BATCH if ns.micro_batch is None else ns.micro_batch
-        if not 1 <= seq_len <= block or micro_batch < 1:
-            raise UsageError(f"--seq-len must be in 1..{block} and --micro-batch at least 1")
-        print(_render_model_extras(ns.model, numel, world, precision, micro_batch, seq_len))
+        if not 1 <= seq_len <= block or micro_batch < 1 or ns.tp < 1:
+            raise UsageError(f"--seq-len must be in 1..{block}, --micro-batch and --tp at least 1")
+        print(_render_model_extras(ns.model, numel, world, precision, micro_batch, seq_len, ns.tp))
     return 0
 
 

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 from . import watchdog
+from .backend import default_backend
 from .collectives import ProcessGroup, backend_name, is_initialized, skips_collectives
 
 
 def init_distributed(timeout_s: Optional[float] = None) -> bool:
     """Initialize torch.distributed from torchrun's environment, if it is set and not done yet.
 
-    Picks NCCL when CUDA is available, gloo otherwise. Without torchrun's variables (a plain
+    Picks NCCL when CUDA is available, gloo otherwise (backend.py). Without torchrun's variables (a plain
     `python train.py`) nothing is initialized and zerodp runs as world size 1. Returns True when this
     call created the default process group: its creator owns it and destroys it
     (`destroy_distributed`, called by `engine.close()`), and, as a backstop, so does an atexit hook.
@@ -28,7 +29,7 @@ def init_distributed(timeout_s: Optional[float] = None) -> bool:
         return False
     from datetime import timedelta
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = default_backend()  # NCCL only where a GPU is visible: [Note: NCCL built is not a GPU present]
     if timeout_s is None:
         # the backend's own timeout only backs up the watchdog, which reports first and says more
         timeout_s = watchdog.timeout_s() + 60.0

@@ -134,8 +134,6 @@ NO_EFFECT: dict[str, NoEffect] = {
     "use_data_before_expert_parallelism": NoEffect("zerodp has no expert parallelism"),
     "checkpoint": NoEffect("zerodp checkpoints are already universal (any world size or stage), validated "
                            "(tags must agree on every rank) and written by every rank in parallel"),
-    "activation_checkpointing": NoEffect("configures deepspeed.checkpointing, which only model code calls; "
-                                         "use torch.utils.checkpoint in the model"),
     "sparse_attention": NoEffect("configures DeepSpeed's sparse-attention modules, which only model code builds"),
     "pipeline": NoEffect("configures deepspeed.pipe.PipelineModule only"),
     "comet": _section_off("Comet monitor"),

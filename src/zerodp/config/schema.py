@@ -18,12 +18,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
+from .activation_checkpointing import ActivationCheckpointingConfig
 from .compat import normalize
 from .precision import DTYPE_NAMES, BF16Config, DataTypesConfig, FP16Config, GradDtype, TorchAutocastConfig, dtype_name  # noqa: F401
 from .strict import _NOT_SUPPORTED, StrictModel  # noqa: F401 (_NOT_SUPPORTED: the docs render it)
-
 from .offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
-
 from ..errors import ConfigError
 from .monitor import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig,
                               WandbConfig)  # DeepSpeed's monitoring sections
@@ -222,6 +221,8 @@ class ZeroConfig(StrictModel):
                                             "of every collective (engine.comms_summary()).")
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig, description="FLOPs and achieved "
                                                 "FLOP/s of one optimizer step (torch.utils.flop_counter).")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig,
+        description="ZeRO-R: how checkpointed regions keep their inputs (docs/activations.md).")
 
     # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config_auto resolves.
     _notes: list[str] = PrivateAttr(default_factory=list)

@@ -56,7 +56,8 @@ Where zerodp differs from DeepSpeed on purpose (the engine's differences are in 
     and the run equals plain PyTorch. Modules that initialize without HF (the collected scripts) start
     from the same weights in both.
   - `init_distributed(dist_backend="cpu:gloo,cuda:nccl")`: DeepSpeed hands the list to torch, which fails
-    on a build without NCCL; zerodp keeps the entries torch has, so the script runs on CPU.
+    on a build without NCCL or a machine without a GPU; zerodp keeps NCCL only where a GPU is visible, so
+    the script runs on CPU.
   - `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` return torch optimizers (the same update), so
     `isinstance(opt, FusedAdam)` does not work; there is no CPU-offloaded step.
   - inputs: zerodp's own engine casts floating inputs to the compute dtype; through this adapter they are
@@ -94,7 +95,7 @@ from .. import comm as _comm
 from ..config import ConfigError, load_config
 from ..engine import initialize as zerodp_initialize
 from ..optim.inner import build_from_section, build_from_sections
-from . import accelerator, comm, moe, ops, runtime, utils, zero
+from . import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
 from .forward_engine import ForwardEngine
@@ -120,22 +121,14 @@ def __getattr__(name: str):
 
 
 def _usable_backend(dist_backend: str) -> str:
-    """`dist_backend` without the `device:backend` entries whose backend this torch build lacks.
+    """`dist_backend` without the `device:backend` entries that cannot serve this process (comm/backend.py).
 
     DeepSpeed passes "cpu:gloo,cuda:nccl" to torch, which fails on a CPU-only build ("doesn't have NCCL
-    built in"); zerodp keeps the entries torch can serve (gloo for CPU tensors), so such a script runs on
-    CPU. A plain backend name ("nccl") is passed as given: asking for it on a build without it fails.
+    built in") and, on a CUDA build without a GPU, at group creation ("no GPUs found"); zerodp keeps NCCL
+    only where a GPU is visible, so such a script runs on CPU ([Note: NCCL built is not a GPU present]).
+    A plain backend name ("nccl") is passed as given: asking for it where it cannot serve fails.
     """
-    if ":" not in dist_backend:
-        return dist_backend
-    available = {"gloo": torch.distributed.is_gloo_available(), "nccl": torch.distributed.is_nccl_available(),
-                 "mpi": torch.distributed.is_mpi_available()}
-    entries = [e.strip() for e in dist_backend.split(",") if e.strip()]
-    kept = [e for e in entries if available.get(e.split(":", 1)[1], True)]
-    if not kept:
-        raise RuntimeError(f"init_distributed(dist_backend={dist_backend!r}): none of these backends is built "
-                           f"into this torch; pass one that is (gloo on CPU)")
-    return ",".join(kept)
+    return _comm.usable_backend(dist_backend)
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,

@@ -12,7 +12,8 @@ engine's stage-3 strategy (`stage3.build_stage3_sharding(..., forward_only=True)
 the module units just in time and frees them after, and in eval mode under no_grad the inference cache
 (stage3/inference_cache.py) may keep them between forwards. Every parameter is laid out as frozen: no gradient
 buffer, no reduction, no optimizer state; parameters under `stage3_param_persistence_threshold` stay whole.
-The model stays on the device it was built on (as with zerodp's stage-3 training engine); a model built
+Under NCCL a model built on the CPU is moved to cuda:LOCAL_RANK first, as the training engine does
+([Note: a CPU-built model under NCCL] in zerodp/module_device.py); a model built
 under `zero.Init` (HfDeepSpeedConfig at stage 3) is taken over shard by shard, one built whole starts from rank
 0's weights, as DeepSpeed's partitioning broadcasts them. The stage-3 forward runs under `torch.no_grad()`:
 its outputs carry no graph. That changes no gradient anything can use (DeepSpeed's graph would only reach
@@ -32,6 +33,7 @@ from torch import nn
 
 from .. import comm
 from ..config import ZeroConfig
+from ..module_device import place_module
 from ..precision import PrecisionPolicy
 from ..preflight import broadcast_module_state, check_same_model
 from ..stage3 import Stage3Sharding, build_stage3_sharding
@@ -48,6 +50,7 @@ class ForwardEngine:
         # stage 3: the training engine's strategy with every parameter frozen (see the module docstring)
         self.sharding: Optional[Stage3Sharding] = None
         if config.stage == 3:
+            place_module(module, process_group)  # NCCL: CPU tensors to cuda:LOCAL_RANK (zerodp/module_device.py)
             check_same_model(module, process_group)
             broadcast_module_state(module, process_group)  # skips parameters built sharded (equal already)
             module.to(dtype=dtype)  # whole tensors only: parameters built sharded are in this dtype already

@@ -75,3 +75,21 @@ def uniform_shape(numel: int, layers: int, activation_bytes: float = 0.0) -> Mod
     units = tuple(per_unit + (1 if i < extra else 0) for i in range(layers))
     return ModelShape(numel=numel, unit_numels=units, activation_bytes=activation_bytes,
                       unit_activation_share=1.0, largest_param_numel=max(units))
+
+
+def gpt_shape(gpt_config, config: ZeroConfig, micro_batch: int, seq_len: int, elem_bytes: int) -> ModelShape:
+    """The `ModelShape` of the bundled GPT (`models.gpt`, preset or not) training micro-batches of
+    `micro_batch` x `seq_len` tokens with activations of `elem_bytes` per element: the activations by
+    `formulas.estimate_activation_bytes`, the blocks' share of them saved inside stage-3 units."""
+    import dataclasses
+
+    import torch
+
+    from ..models.gpt import GPT
+    from .formulas import estimate_activation_bytes
+
+    act = estimate_activation_bytes(gpt_config, micro_batch, seq_len, elem_bytes)
+    blocks = act - estimate_activation_bytes(dataclasses.replace(gpt_config, n_layer=0), micro_batch, seq_len,
+                                             elem_bytes)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        return module_shape(GPT(gpt_config), config, act, blocks / act)

@@ -71,7 +71,7 @@ def measure_memory(engine) -> MemoryReport:
     precision = engine.precision
     elem = precision.param_dtype.itemsize
     grad_elem = (precision.grad_accum_dtype or precision.param_dtype).itemsize  # data_types.grad_accum_dtype
-    master = precision.master_dtype.itemsize if precision.mixed else 0
+    master = 0 if engine.placement.masters_are_shards else precision.master_dtype.itemsize  # a separate copy
     user_members = members(engine.user_optimizer)
     whole = [u for u in units if u.layout.whole_tensors]
     flat_members = {id(user_members[u.group_index]): user_members[u.group_index] for u in units if u not in whole}

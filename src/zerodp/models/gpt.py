@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -121,6 +122,9 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight  # one Parameter, two uses
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.reset_parameters(generator)
+        # Activation checkpointing of the blocks: None, or a function called as fn(block, x), e.g.
+        # zerodp.activations.checkpoint (how the inputs are kept is that function's configuration).
+        self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -139,7 +143,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.checkpoint_fn is None else self.checkpoint_fn(block, x)
         return self.lm_head(self.ln_f(x))
 
     @torch.no_grad()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Optional
 
 import torch
 
@@ -23,6 +24,7 @@ from ..optim.inner import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
 from .heap import map_large_buffers
+from ..placement import HOST, Placement, placement_of
 from ..precision import PrecisionPolicy
 from ..config.offload import DEFAULT_SUB_GROUP_SIZE, OffloadDevice, ignored_settings
 from .file_io import FileIO
@@ -55,8 +57,10 @@ def predicted_state_bytes(numel: int, user_optimizer) -> int:
     return numel * 4 * state_numel_per_param(user_optimizer)
 
 
-def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_group: comm.ProcessGroup):
-    """The optimizer-state offload of this rank (None when offload_optimizer is off); see module docstring."""
+def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_group: comm.ProcessGroup,
+                            placement: Optional[Placement] = None):
+    """The optimizer-state offload of this rank (None when offload_optimizer is off); see module docstring.
+    `placement`: where the states live (their pinning); None: pinned where the config asks and a GPU exists."""
     zero = config.zero_optimization
     section = zero.offload_optimizer
     rank = comm.get_rank(process_group)
@@ -81,7 +85,7 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
     window = min(sub_group_size or OPTIMIZER_CHUNK_NUMEL, max(numel, 1))
     # cpu: all of it in host memory; nvme: the first (1 - ratio) in host memory, the rest in files
     host_fraction = 1.0 if section.device is OffloadDevice.CPU else 1.0 - section.ratio
-    pin = section.pin_memory and torch.cuda.is_available()
+    pin = placement.states.pinned if placement is not None else section.pin_memory and torch.cuda.is_available()
     rank_dir = None
     if section.device is OffloadDevice.NVME:
         key = "zero_optimization.offload_optimizer.nvme_path"
@@ -101,11 +105,13 @@ def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_g
 
 
 def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, largest_numel: int,
-                        process_group: comm.ProcessGroup):
+                        process_group: comm.ProcessGroup, device: Optional[torch.device] = None):
     """The parameter-shard store of this rank (None when offload_param is off or changes nothing here).
 
     `model_numel` elements of `itemsize` bytes are sharded over the group; `largest_numel` is the
-    largest parameter (a shard of it must fit one `buffer_size` I/O buffer, as in DeepSpeed).
+    largest parameter (a shard of it must fit one `buffer_size` I/O buffer, as in DeepSpeed). `device`:
+    the model's; where its shards rest and whether they are pinned is the placement's answer for it
+    (None, before any parameter exists (init_context): the GPU if there is one).
     """
     section = config.zero_optimization.offload_param
     rank = comm.get_rank(process_group)
@@ -118,11 +124,13 @@ def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, lar
         raise ConfigError(f"zero_optimization.offload_param.buffer_size={section.buffer_size} elements cannot hold "
                           f"a shard of the largest parameter ({largest_numel} elements over {world} ranks); set "
                           f"buffer_size to at least {-(-largest_numel // world)}")
-    has_cuda = torch.cuda.is_available()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else HOST
+    home = placement_of(config, device).param_shards
     if section.device is OffloadDevice.CPU:
-        # without a GPU the shard already lives in host memory: nothing to move (said once by report_ignored)
-        return ShardStore(None, None, section.max_in_cpu, section.buffer_count,
-                               section.pin_memory and has_cuda) if has_cuda else None
+        # a model on the CPU: its shards already live in host memory, nothing to move (said once by report_ignored)
+        return ShardStore(None, None, section.max_in_cpu, section.buffer_count, home.pinned) \
+            if home.device != device else None
     if section.max_in_cpu is None and rank == 0:
         log.info("zerodp offload_param: max_in_cpu is not set: at most %d shards of the largest size stay in memory "
                  "(buffer_count, the gathers' working set); set max_in_cpu to cache more", section.buffer_count)
@@ -130,8 +138,7 @@ def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, lar
     needed = -(-model_numel // world) * itemsize * (1 if _grads_stay(config) else 2)
     rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)  # its own run folder
     io = FileIO(config.aio.io_requests, config.aio.block_size)
-    return ShardStore(rank_dir, io, section.max_in_cpu, section.buffer_count,
-                           section.pin_memory and has_cuda)
+    return ShardStore(rank_dir, io, section.max_in_cpu, section.buffer_count, home.pinned)
 
 
 def _grads_stay(config: ZeroConfig) -> bool:

@@ -32,28 +32,32 @@ One step, in order (every rank runs the same collectives):
   5. copy masters into the parameter shards (the engine then has the strategy re-assemble full
      parameters: `seams.ShardingStrategy.after_step`).
 
-Residency: with stage 3's offload_param a unit's shards have storage only inside `unit.resident()` /
-`unit.grad_resident()` ([Note: a unit owns its residency] in stage3/flat_unit.py), so every read or
-write of a shard below sits in one; elsewhere those blocks are empty and cost nothing.
+Where things live comes from the engine's `placement.Placement`, decided once: the masters are the
+parameter shards themselves (fp32 on one device), or copies in the master dtype on the placement's
+device (the host, with offload_optimizer on a GPU: ZeRO-Offload steps there). Which windows a step
+walks, what each holds resident (stage 3's offload_param, [Note: a unit owns its residency] in
+stage3/flat_unit.py) and where each chunk's gradient comes from is the `StepPlan`'s (step_plan.py):
+this class never asks what is offloaded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from enum import Enum, auto
-from typing import ContextManager, Iterable, Optional
+from typing import Optional
 
 import torch
 
 from .. import comm
 from ..flat.grad_shard import square_norm
+from ..placement import Placement, placement_for_precision
 from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
 from .inner import rebuild_kept
 from .model_parallel import ModelParallelNorm
 from .checkpoint_state import CheckpointStateAccess
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
+from .step_plan import StepPlan, check_host_step
 
 
 # 1 MiB of fp32: fits L2 with room to spare, large enough that per-tensor overhead is negligible.
@@ -72,7 +76,7 @@ class ShardedOptimizer(CheckpointStateAccess):
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
                  sharded: bool, gradient_clipping: float, offload=None,
-                 model_parallel: Optional[ModelParallelNorm] = None) -> None:
+                 placement: Optional[Placement] = None, model_parallel: Optional[ModelParallelNorm] = None) -> None:
         self.units = units
         self.model_parallel = model_parallel  # tensor parallelism beside ZeRO: its norm rule (model_parallel.py)
         self.precision = precision
@@ -82,22 +86,21 @@ class ShardedOptimizer(CheckpointStateAccess):
         self.gradient_clipping = gradient_clipping
         self.offload = offload  # offload.OffloadedOptimizerState: where elementwise state lives, or None
         self.chunk_numel = offload.chunk_numel(OPTIMIZER_CHUNK_NUMEL) if offload else OPTIMIZER_CHUNK_NUMEL
-        # offload_param (stage 3): the step holds one part's parameter shards at a time (_step_resident)
-        self.params_offloaded = any(unit.param_offloaded for unit in units)
+        # no placement given (a caller of this class alone): everything where the first shard is
+        self.placement = placement or placement_for_precision(
+            precision, units[0].param_shard.device if units else torch.device("cpu"))
+        check_host_step(group_settings, self.placement)
+        masters_home = self.placement.masters
         self.masters: list[torch.Tensor] = []
         self.chunks: list[list[torch.Tensor]] = []
         for unit in units:
             with unit.resident():
-                if precision.mixed:
-                    self.masters.append(unit.param_shard.detach().to(precision.master_dtype).clone())
-                else:
+                if self.placement.masters_are_shards:
                     self.masters.append(unit.param_shard)  # alias: updating the master updates the model
+                else:  # a copy in the master dtype where the placement steps (the host under ZeRO-Offload)
+                    self.masters.append(unit.param_shard.detach().to(masters_home.device, masters_home.dtype).clone())
                 self.chunks.append(self._split(unit, self.masters[-1]))  # views: made while resident
         self.whole = [unit.layout.whole_tensors for unit in units]  # see [Note: whole-tensor units]
-        self.param_offsets = [0]  # where each unit's parameters start in the flags of `received`
-        for unit in units:
-            self.param_offsets.append(self.param_offsets[-1] + len(unit.layout.shapes))
-        self._unit_of_chunk = {id(c): i for i, chunks in enumerate(self.chunks) for c in chunks}
         groups = [dict(settings, params=[]) for settings in group_settings]
         for unit, chunks in zip(units, self.chunks):
             groups[unit.group_index]["params"].extend(chunks)
@@ -110,6 +113,8 @@ class ShardedOptimizer(CheckpointStateAccess):
             self._bind_shard_layout()
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
             offload.attach(self.optimizer, self.chunks)
+        # the windows, residency, gradient binding and write-back of every step (step_plan.py)
+        self.plan = StepPlan(units, self.chunks, self.masters, self.placement, self.chunk_numel, offload)
         self.last_grad_norm: Optional[float] = None
         self.last_step_skipped = False
 
@@ -141,16 +146,10 @@ class ShardedOptimizer(CheckpointStateAccess):
                 yield chunk, slice(a - start, b - start), slice(a, b)
             start = end
 
-    def _params_resident(self, indices: list[int], dirty: bool = False) -> ContextManager[None]:
-        """Hold the parameter shards of units `indices` in memory for a block (offload_param)."""
-        return _holding([self.units[i].resident(dirty=dirty) for i in indices])
-
     def _resident(self, index: int, read: bool = True, write: bool = True):
-        """Offload: hold master `index`'s optimizer state in memory for a block (`read`: its stored
-        values are needed; `write`: the block changes them)."""
-        if self.offload is None:
-            return contextlib.nullcontext()
-        return self.offload.resident(self.offload.chunk_indices(self.chunks[index]), read=read, write=write)
+        """Hold master `index`'s optimizer state in `optimizer.state` for a block (`read`: its stored
+        values are needed; `write`: the block changes them); the plan knows whether it is offloaded."""
+        return self.plan.state_resident(self.chunks[index], read=read, write=write)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -201,77 +200,19 @@ class ShardedOptimizer(CheckpointStateAccess):
             # the same on every rank (the norm is global): see nonfinite.py
             self.last_step_skipped = True
             return StepOutcome.NONFINITE
-        self._clip = 1.0
+        coef = 1.0
         if self.gradient_clipping > 0:
             coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
-            if coef < 1.0:
-                self._clip = coef  # offloaded gradient shards are scaled as they are bound (_bind_grads)
-                for unit, g in zip(self.units, grads):
-                    if not unit.grad_offloaded:
-                        g.mul_(coef)
-        for index, (unit, g) in enumerate(zip(self.units, grads)):
-            if not unit.grad_offloaded:  # offloaded ones are bound per part of the step (_step_resident)
-                self._bind_grads(index, g, received)
-        if self.offload is None and not self.params_offloaded:
-            self._step_chunks(received, None)
-        elif self.offload is None:  # offload_param: one unit's shard in memory at a time
-            for index, chunks in enumerate(self.chunks):
-                self._step_resident(received, chunks)
-        else:  # offload: the state streams through the step, one window of chunks at a time
-            self.offload.step(lambda window: self._step_resident(received, window))
+        # clipped and bound where they are (streamed shards per window); copied to the host for a host step
+        self.plan.bind_all(grads, coef, received)
+        self.plan.run(lambda window: self._step_chunks(received, window), received)
         for chunks in self.chunks:
             for chunk in chunks:
                 chunk.grad = None
-        if self.precision.mixed:
-            for unit, master in zip(self.units, self.masters):
-                with unit.resident(dirty=True):
-                    unit.param_shard.copy_(master)
+        self.plan.write_back()  # the parameter shards follow their masters (unless they are them)
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
         return StepOutcome.STEPPED
-
-    def _bind_grads(self, index: int, g: torch.Tensor, received: Optional[torch.Tensor],
-                    window: Optional[set[int]] = None) -> None:
-        """Give unit `index`'s chunks their gradients: views of `g`, this unit's gradient shard (an offloaded
-        shard's chunks in `window`, ids of the chunks this part of the step updates, are clipped here)."""
-        unit, chunks = self.units[index], self.chunks[index]
-        if unit.grad_offloaded:  # g is the shard itself, resident (not dirty) for this part of the step
-            # Clipped in place, each chunk once, in the one window that steps it: a unit's shard may span
-            # windows and be evicted and read again between them, and nothing reads it after the step, whose
-            # zero_grad drops it without a write (ShardStore.zero). Scaled copies cost 2.5 s of a
-            # 500m-proxy step's 5.0 s (bench/results/big_offload_step.md).
-            for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
-                if self._clip < 1.0 and window is not None and id(chunk) in window:
-                    g_chunk.mul_(self._clip)
-                chunk.grad = g_chunk
-            return
-        if not unit.layout.whole_tensors:
-            for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
-                chunk.grad = g_chunk
-            return
-        # shaped like the parameter; None where no rank produced a gradient (torch skips it)
-        offset = self.param_offsets[index]
-        for seg, chunk in zip(unit.layout.segments(unit.shard_index), chunks):
-            got = received is None or bool(received[offset + seg.param_index])
-            chunk.grad = g[seg.shard_start:seg.shard_start + seg.numel].view(chunk.shape) if got else None
-
-    def _step_resident(self, received: Optional[torch.Tensor], window: list) -> None:
-        """Step `window`'s chunks with their parameter shards resident (fp32 offload_param: the chunks are
-        views of them, and the step writes them), and their gradient shards when those are offloaded."""
-        if not self.params_offloaded or self.precision.mixed:
-            self._step_chunks(received, window)
-            return
-        indices = sorted({self._unit_of_chunk[id(c)] for c in window})
-        offloaded = [i for i in indices if self.units[i].grad_offloaded]
-        with self._params_resident(indices, dirty=True), \
-                _holding([self.units[i].grad_resident() for i in offloaded]):
-            stepped = {id(c) for c in window}
-            for i in offloaded:
-                self._bind_grads(i, self.units[i].grad_shard, received, stepped)
-            self._step_chunks(received, window)
-            for i in offloaded:  # the shards may be evicted after this block: no view of them may remain
-                for chunk in self.chunks[i]:
-                    chunk.grad = None
 
     def _step_chunks(self, received: Optional[torch.Tensor], window: Optional[list]) -> None:
         """Step the inner optimizer over `window`'s chunks (None: all chunks)."""
@@ -326,25 +267,16 @@ class ShardedOptimizer(CheckpointStateAccess):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 masters (when separate) plus moments."""
-        total = sum(m.numel() * m.element_size() for m in self.masters) if self.precision.mixed else 0
+        total = 0 if self.placement.masters_are_shards else sum(m.numel() * m.element_size() for m in self.masters)
         for state in self.optimizer.state.values():
             for v in state.values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     total += v.numel() * v.element_size()
+        # (a host step's pinned staging buffers are not optimizer state: StepPlan.staging_bytes)
         return total + (self.offload.host_bytes() if self.offload is not None else 0)
 
+    def close(self) -> None:
+        """Release the offload tier's stores, files and I/O threads (the engine's close)."""
+        if self.offload is not None:
+            self.offload.close()
 
-@contextlib.contextmanager
-def _holding(blocks: Iterable[ContextManager[None]]):
-    """Enter `blocks` in order for one block and leave them in that same order (not nested, not reversed):
-    an offload store then sees exactly the acquires and releases of one batched `resident([...])`, so
-    which shards it evicts, writes and reads ahead is what it was when callers passed it the shards."""
-    entered = []
-    try:
-        for block in blocks:
-            block.__enter__()
-            entered.append(block)
-        yield
-    finally:
-        for block in entered:
-            block.__exit__(None, None, None)

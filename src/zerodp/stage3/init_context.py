@@ -17,7 +17,10 @@ Initialization code that runs later in the block (`reset_parameters`, `nn.init.*
 touched, at which point it is partitioned again: rank 0's values are broadcast first, so ranks
 that drew different random numbers still agree. Every rank therefore draws the same random
 numbers on full-size tensors as a plain construction would: a model built here equals, value for
-value, the same model built without it from the same seed.
+value, the same model built without it from the same seed. Under NCCL the slices and the gathered
+parameters live on the rank's GPU (NCCL gathers CUDA tensors only; [Note: a CPU-built model under
+NCCL] in zerodp/module_device.py), so initializers draw from the CUDA generator, as under DeepSpeed's
+zero.Init: the model equals the same model built on that GPU.
 
 On exit the slices are converted to the compute dtype (bf16/fp16 in the config), so that the
 engine's `model.to(dtype)` has nothing left to do for them. `zerodp.initialize` then lays the
@@ -42,6 +45,7 @@ from torch import nn
 from .. import comm
 from ..config import ConfigError, load_config
 from ..flat.buffer import alloc_storage, free_storage
+from ..module_device import rank_training_device
 from ..offload.tier import build_param_offload
 from ..precision import PrecisionPolicy
 from .params import PartitionedParameter, owner_of, register_owner, set_partitioned, unregister_owner
@@ -60,12 +64,13 @@ class _InitShard:
         shard_numel = self.padded_numel // world
         lo = ctx.rank * shard_numel
         flat = param.detach().reshape(-1)
-        self.shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
+        device = ctx.device or param.device  # NCCL: the rank's GPU, whatever the parameter was built on
+        self.shard = torch.zeros(shard_numel, dtype=param.dtype, device=device)
         mine = flat[lo:min(lo + shard_numel, numel)]
         self.shard[:mine.numel()].copy_(mine)
         if ctx.param_home is not None:  # offload_param: the slice goes to its offloaded home at once
             ctx.param_home.adopt(self.shard)
-        self.full = torch.empty(self.padded_numel, dtype=param.dtype, device=param.device)
+        self.full = torch.empty(self.padded_numel, dtype=param.dtype, device=device)
         param.data = self.full[:numel].view(param.shape)  # drops the parameter's own storage
         free_storage(self.full)
         set_partitioned([param], None)
@@ -144,6 +149,9 @@ class _InitContext:
         self.world = comm.get_world_size(group)
         self.threshold = threshold
         self.dtype = dtype
+        # where slices are made: under NCCL the rank's GPU ([Note: a CPU-built model under NCCL]); offload_param
+        # keeps them in their offloaded home on the host; else (None) the device each parameter was built on
+        self.device = rank_training_device(group) if param_home is None else None
         self.active = True
         self.shards: list[_InitShard] = []
         self._whole: list[_InitShard] = []

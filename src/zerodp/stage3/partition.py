@@ -70,7 +70,7 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     threshold = zero.stage3_param_persistence_threshold
     # offload_param: where sharded units' parameter shards live between uses (a null store: with the unit)
     param_home = build_param_offload(config, sum(p.numel() for p in params), params[0].element_size(),
-                                     max(p.numel() for p in params), process_group) or NullShardStore()
+                                     max(p.numel() for p in params), process_group, params[0].device) or NullShardStore()
     grad_home = build_grad_offload(config, param_home)  # fp32 offload_param nvme: the gradient shards too, or None
     flats: list[FlatUnit] = []
     owned_by_unit: list[tuple] = []

@@ -1,5 +1,5 @@
 """`deepspeed.runtime`: the helpers scripts import from it (`utils`, `dataloader`, `zero`)."""
 
-from . import dataloader, utils, zero
+from . import activation_checkpointing, dataloader, utils, zero
 
-__all__ = ["dataloader", "utils", "zero"]
+__all__ = ["activation_checkpointing", "dataloader", "utils", "zero"]

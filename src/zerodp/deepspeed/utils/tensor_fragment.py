@@ -28,7 +28,8 @@ def _locate(param: torch.nn.Parameter):
 
 def _whole(engine, unit, flat_shard: torch.Tensor, k: int) -> torch.Tensor:
     chunk = engine.config.zero_optimization.allgather_bucket_size
-    flat = gather_flat(unit.layout, flat_shard, engine.sharding.state_group, chunk, keep=True)
+    flat = gather_flat(unit.layout, flat_shard, engine.sharding.state_group, chunk, keep=True,
+                       device=engine.placement.compute.device)  # a host master (ZeRO-Offload) is sent from there
     offset, numel, shape = unit.layout.offsets[k], unit.layout.numels[k], unit.layout.shapes[k]
     return flat[offset:offset + numel].view(shape).clone()
 

@@ -44,12 +44,14 @@ if os.environ.get("RECORD_LOSSES"):
 if os.environ.get("RECORD_ENGINE") == "deepspeed" and os.environ.get("RANK") is not None:
     # Recording real DeepSpeed on this CPU-only torch: DeepSpeed hands "cpu:gloo,cuda:nccl" to torch, which
     # refuses it without NCCL; keep the gloo entry, as zerodp.deepspeed.init_distributed does.
+    import torch as _torch
     import torch.distributed as _dist
 
     _init_process_group = _dist.init_process_group
 
     def _init_without_nccl(backend=None, *args, **kwargs):
-        if isinstance(backend, str) and ":" in backend and not _dist.is_nccl_available():
+        # NCCL built is not a GPU present (zerodp/comm/backend.py): a CUDA torch without a GPU refuses it too
+        if isinstance(backend, str) and ":" in backend and not (_dist.is_nccl_available() and _torch.cuda.is_available()):
             backend = ",".join(e for e in backend.split(",") if not e.strip().endswith(":nccl"))
         return _init_process_group(backend, *args, **kwargs)
 

@@ -1,0 +1,215 @@
+"""How one optimizer step walks this rank's chunks: `StepPlan`, the only place that knows what is offloaded.
+
+The sharded optimizer (optimizer.py) computes the gradient norm, then hands the plan its gradients and a
+function that steps a window of chunks. The plan, built once from the `placement.Placement` and the
+units, decides:
+
+  windows    all chunks at once (nothing offloaded); one unit at a time (stage 3's offload_param, the
+             masters being views of shards that are in memory only while held); or the offloaded
+             optimizer state's windows (offload/optimizer_state.py: [Note: offload pipeline]);
+  residency  what each window holds in memory: the parameter shards its chunks are views of, the
+             gradient shards that rest in files (fp32 offload_param nvme), each only for its window;
+  gradients  which tensor each chunk's `.grad` is: a view of the unit's gradient shard, clipped in place
+             (streamed shards: clipped per window, each chunk once), or, when the step runs on the host
+             while the model computes on a GPU (ZeRO-Offload), a view of a pinned host copy of it;
+  write-back how the updated masters reach the parameter shards: not at all (they are the shards), a
+             copy, or (host step) a cast into a pinned host buffer and a copy to the GPU.
+
+The windows and arithmetic on the CPU are exactly those of the code this replaces, so results are
+bitwise unchanged there; on a GPU the gradients the host step reads are bitwise those a step on the GPU
+would read (converted, unscaled and clipped on the GPU, then copied).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from ..placement import Placement
+from ..seams import ShardedUnit
+
+
+def check_host_step(group_settings: list[dict], placement: Placement) -> None:
+    """A step on the host (ZeRO-Offload on a GPU) cannot run an optimizer built for CUDA graphs: say so now,
+    not as torch's assertion inside the first step."""
+    if placement.steps_on_host and any(settings.get("capturable") for settings in group_settings):
+        raise ValueError("offload_optimizer steps the optimizer on the host (the CPU), but it was built with "
+                         "capturable=True, which needs its tensors on the GPU; drop capturable=True or remove "
+                         "zero_optimization.offload_optimizer")
+
+
+class StepPlan:
+    """The windows, residency, gradient binding and write-back of one step; see the module docstring."""
+
+    def __init__(self, units: list[ShardedUnit], chunks: list[list[torch.Tensor]], masters: list[torch.Tensor],
+                 placement: Placement, chunk_numel: int, offload=None) -> None:
+        self.units = units
+        self.chunks = chunks
+        self.masters = masters
+        self.placement = placement
+        self.chunk_numel = chunk_numel
+        self.offload = offload  # offload.OffloadedOptimizerState: its windows, or None
+        self.whole = [unit.layout.whole_tensors for unit in units]
+        self.param_offsets = [0]  # where each unit's parameters start in the flags of `received`
+        for unit in units:
+            self.param_offsets.append(self.param_offsets[-1] + len(unit.layout.shapes))
+        self.unit_of_chunk = {id(c): i for i, per_unit in enumerate(chunks) for c in per_unit}
+        # Decided once: a master that *is* an offloaded shard is written only while its shard is held;
+        # a gradient shard resting in files is read per window.
+        self.hold_params = [placement.masters_are_shards and unit.param_offloaded for unit in units]
+        self.stream_grads = [unit.grad_offloaded for unit in units]
+        self.per_unit = any(unit.param_offloaded for unit in units)  # offload_param without optimizer offload
+        # the step reads its gradients from (and writes parameters through) host buffers where the placement
+        # gives them one: ZeRO-Offload on a GPU (a CPU test forces it to run this path: test_placement.py)
+        self.host_step = placement.grad_staging is not None
+        self._grad_staging: dict[int, torch.Tensor] = {}   # unit index -> pinned host buffer (host step)
+        self._param_staging: dict[int, torch.Tensor] = {}
+        self._clip = 1.0
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def bind_all(self, grads: list[torch.Tensor], clip: float, received: Optional[torch.Tensor]) -> None:
+        """Clip and bind the gradients that are in memory (streamed ones are bound per window, `run`)."""
+        self._clip = clip
+        if clip < 1.0:
+            for index, g in enumerate(grads):
+                if not self.stream_grads[index]:
+                    g.mul_(clip)
+        staged = {index: self._to_step_device(index, g) for index, g in enumerate(grads)
+                  if not self.stream_grads[index]}  # streamed shards are bound per window (`run`)
+        self._wait_for_staging()
+        for index, g in staged.items():
+            self._bind(index, g, received)
+
+    def _to_step_device(self, index: int, g: torch.Tensor) -> torch.Tensor:
+        """`g` where the step runs: itself, or (host step) its copy in unit `index`'s pinned host buffer.
+        The copy is asynchronous: `_wait_for_staging` must run before the host reads it."""
+        if not self.host_step:
+            return g
+        home = self.placement.grad_staging
+        buf = self._grad_staging.get(index)
+        if buf is None or buf.numel() != g.numel():
+            buf = self._grad_staging[index] = torch.empty(g.numel(), dtype=home.dtype, device=home.device,
+                                                          pin_memory=home.pinned)
+        buf.copy_(g, non_blocking=home.pinned)  # device -> pinned host: one DMA, queued on the stream
+        return buf
+
+    def _wait_for_staging(self) -> None:
+        # note: a sync point. The device-to-host copies above return before they are done; the host optimizer
+        # must not read the buffers earlier.
+        if self.host_step and self.placement.compute.device.type == "cuda":
+            torch.cuda.current_stream(self.placement.compute.device).synchronize()
+
+    def _bind(self, index: int, g: torch.Tensor, received: Optional[torch.Tensor],
+              window: Optional[set[int]] = None) -> None:
+        """Give unit `index`'s chunks their gradients: views of `g` (a streamed shard's chunks in `window`,
+        ids of the chunks this part of the step updates, are clipped here)."""
+        chunks = self.chunks[index]
+        if self.stream_grads[index]:  # g is the shard itself, resident (not dirty) for this part of the step
+            # Clipped in place, each chunk once, in the one window that steps it: a unit's shard may span
+            # windows and be evicted and read again between them, and nothing reads it after the step, whose
+            # zero_grad drops it without a write (ShardStore.zero). Scaled copies cost 2.5 s of a
+            # 500m-proxy step's 5.0 s (bench/results/big_offload_step.md).
+            parts = list(g.split(self.chunk_numel))
+            for chunk, g_chunk in zip(chunks, parts):
+                if self._clip < 1.0 and window is not None and id(chunk) in window:
+                    g_chunk.mul_(self._clip)
+            if self.host_step:  # clipped on the device as a device step would be, then copied
+                host = self._to_step_device(index, g)
+                self._wait_for_staging()
+                parts = list(host.split(self.chunk_numel))
+            for chunk, g_chunk in zip(chunks, parts):
+                chunk.grad = g_chunk
+            return
+        if not self.whole[index]:
+            for chunk, g_chunk in zip(chunks, g.split(self.chunk_numel)):
+                chunk.grad = g_chunk
+            return
+        # shaped like the parameter; None where no rank produced a gradient (torch skips it)
+        unit, offset = self.units[index], self.param_offsets[index]
+        for seg, chunk in zip(unit.layout.segments(unit.shard_index), chunks):
+            got = received is None or bool(received[offset + seg.param_index])
+            chunk.grad = g[seg.shard_start:seg.shard_start + seg.numel].view(chunk.shape) if got else None
+
+    # -- the windows ---------------------------------------------------------------------------
+
+    def run(self, step_window: Callable[[Optional[list]], None], received: Optional[torch.Tensor]) -> None:
+        """Call `step_window(window)` over every chunk once (window None: all chunks), each window with
+        what it reads held in memory."""
+        if self.offload is not None:  # the state streams through the step, one window of chunks at a time
+            self.offload.step(lambda window: self._held(window, step_window, received))
+        elif self.per_unit:  # offload_param: one unit's shard in memory at a time
+            for chunks in self.chunks:
+                self._held(chunks, step_window, received)
+        else:
+            step_window(None)
+
+    def _held(self, window: list, step_window, received: Optional[torch.Tensor]) -> None:
+        indices = sorted({self.unit_of_chunk[id(c)] for c in window})
+        params = [i for i in indices if self.hold_params[i]]
+        grads = [i for i in indices if self.stream_grads[i]]
+        if not params and not grads:
+            step_window(window)
+            return
+        with holding([self.units[i].resident(dirty=True) for i in params]), \
+                holding([self.units[i].grad_resident() for i in grads]):
+            stepped = {id(c) for c in window}
+            for i in grads:
+                self._bind(i, self.units[i].grad_shard, received, stepped)
+            step_window(window)
+            for i in grads:  # the shards may be evicted after this block: no view of them may remain
+                for chunk in self.chunks[i]:
+                    chunk.grad = None
+
+    def state_resident(self, chunks: list, read: bool = True, write: bool = True):
+        """Hold `chunks`' optimizer state in the inner optimizer for a block (checkpoints): a no-op unless the
+        state rests in an offload store (offload/optimizer_state.py `resident`)."""
+        if self.offload is None:
+            return contextlib.nullcontext()
+        return self.offload.resident(self.offload.chunk_indices(chunks), read=read, write=write)
+
+    # -- after the step --------------------------------------------------------------------------
+
+    def write_back(self) -> None:
+        """Make the parameter shards hold the updated masters (cast to the parameters' dtype)."""
+        if self.placement.masters_are_shards:
+            return  # updated in place
+        for index, (unit, master) in enumerate(zip(self.units, self.masters)):
+            with unit.resident(dirty=True):
+                if self.host_step:
+                    unit.param_shard.copy_(self._param_staged(index, master))
+                else:
+                    unit.param_shard.copy_(master)
+
+    def _param_staged(self, index: int, master: torch.Tensor) -> torch.Tensor:
+        """The master cast to the parameters' dtype on the host, in a pinned buffer: the copy to the GPU is
+        then one DMA of 2-byte elements, and the cast is the same round-to-nearest-even a GPU does."""
+        home = self.placement.param_staging
+        buf = self._param_staging.get(index)
+        if buf is None or buf.numel() != master.numel():
+            buf = self._param_staging[index] = torch.empty(master.numel(), dtype=home.dtype, device=home.device,
+                                                           pin_memory=home.pinned)
+        return buf.copy_(master)
+
+    def staging_bytes(self) -> int:
+        """Host bytes of the pinned staging buffers (host step)."""
+        bufs = list(self._grad_staging.values()) + list(self._param_staging.values())
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+
+@contextlib.contextmanager
+def holding(blocks: Iterable):
+    """Enter `blocks` in order for one block and leave them in that same order (not nested, not reversed):
+    an offload store then sees exactly the acquires and releases of one batched `resident([...])`, so
+    which shards it evicts, writes and reads ahead is what it was when callers passed it the shards."""
+    entered = []
+    try:
+        for block in blocks:
+            block.__enter__()
+            entered.append(block)
+        yield
+    finally:
+        for block in entered:
+            block.__exit__(None, None, None)
