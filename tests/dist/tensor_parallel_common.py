@@ -25,6 +25,7 @@ from zerodp.tensor_parallel.random import MODEL_PARALLEL_SEED_OFFSET
 TP, DP = 2, 2
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.1)
 SEED, MICRO_BS, GAS, LR = 7, 2, 2, 1e-2
+STEPS_DEFAULT = 3  # optimizer steps of the runs compared with the reference
 CLIP = 0.05  # below every step's norm here (~0.3-1): clipping acts on every step, so the norm's rule matters
 
 
@@ -55,10 +56,18 @@ class TPRun:
     """One TP x DP training run on this rank: the mpu, the tracker, the model and its engine."""
 
     def __init__(self, stage: int, opt_name: str, *, extra: dict | None = None, via_deepspeed: bool = False,
-                 **zero) -> None:
+                 activation_checkpointing: dict | None = None, **zero) -> None:
         self.mpu = ModelParallelUnit(TP)
-        self.tracker = RNGStatesTracker()
+        self.checkpointing = activation_checkpointing
+        if activation_checkpointing is not None:  # Megatron-DeepSpeed's calls: configure(mpu, ...), its tracker
+            self.tracker = _configure_checkpointing(self.mpu, activation_checkpointing)
+        else:
+            self.tracker = RNGStatesTracker()
         self.model = model = TensorParallelGPT(CFG, self.mpu, rng=self.tracker, seed=SEED)
+        if activation_checkpointing is not None:
+            from zerodp.deepspeed import checkpointing
+
+            model.checkpoint_fn = checkpointing.checkpoint  # every block checkpointed, its input kept as configured
         self.specs = tensor_parallel_specs(model)
         cfg = {**config(stage, **zero), **(extra or {})}
         optimizer = make_optimizer(opt_name, model.parameters())
@@ -68,7 +77,16 @@ class TPRun:
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=self.mpu)
         else:
             self.engine = zerodp.initialize(model, optimizer, cfg, mpu=self.mpu)
-        seed_model_parallel(self.tracker, SEED, self.mpu.get_tensor_model_parallel_rank())
+        self.reseed()
+
+    def reseed(self) -> None:
+        """Seed torch's default generator and the tracker's model-parallel stream as Megatron does."""
+        if self.checkpointing is not None:
+            from zerodp.deepspeed import checkpointing
+
+            checkpointing.model_parallel_cuda_manual_seed(SEED)  # the tensor-parallel rank comes from the mpu
+        else:
+            seed_model_parallel(self.tracker, SEED, self.mpu.get_tensor_model_parallel_rank())
 
     def train(self, steps: range) -> tuple[list[float], list[float]]:
         losses, norms = [], []
@@ -84,7 +102,21 @@ class TPRun:
 
     def close(self) -> None:
         self.engine.close()
+        if self.checkpointing is not None:  # the process-wide configuration would outlive this run's groups
+            from zerodp.activations import PROCESS
+
+            PROCESS.checkpointer = PROCESS.mpu = None
         self.mpu.destroy()
+
+
+def _configure_checkpointing(mpu, settings: dict):
+    """deepspeed.checkpointing.configure(mpu, deepspeed_config=...) with `settings`; returns its RNG tracker."""
+    from zerodp.activations import PROCESS, RNGStatesTracker as ProcessTracker
+    from zerodp.deepspeed import checkpointing
+
+    PROCESS.tracker = ProcessTracker("cpu")  # these gloo ranks compute on the CPU, also where CUDA exists
+    checkpointing.configure(mpu, deepspeed_config={"activation_checkpointing": settings})
+    return checkpointing.get_cuda_rng_tracker()
 
 
 # -- the reference (one process) ---------------------------------------------------------------------

@@ -8,6 +8,7 @@ gathered to the unsharded shapes. Then a checkpoint written per (tp, dp) rank re
 consolidation merges into the unsharded model.
 """
 
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.dist.common import assert_adam_params_close, assert_trained
-from tests.dist.tensor_parallel_common import CFG, DP, SEED, TP, TPRun, reference_run, unsharded
+from tests.dist.tensor_parallel_common import CFG, DP, MICRO_BS, SEED, TP, TPRun, reference_run, unsharded
+from zerodp.activations import DEVICE, HOST
 from zerodp.checkpoint.consolidate import consolidate_tensor_parallel, save_consolidated
 from zerodp.models.gpt import GPT
 from zerodp.models.tp_gpt import TensorParallelGPT
@@ -24,14 +26,33 @@ STEPS = 3
 CASES = [(1, "adamw", {}), (2, "sgd", {}), (3, "adamw", {"stage3_unit_min_params": 1})]
 
 
+# ZeRO-R beside it: every block checkpointed through deepspeed.checkpointing, its input partitioned over the
+# tensor-parallel group (Pa) and kept in host memory (cpu), the recomputation drawing the forward's dropout
+PA_CPU = {"partition_activations": True, "cpu_checkpointing": True}
+
+
 def train_cases() -> dict:
-    """Every stage's run on this rank: (losses, norms, this tp rank's full state dict on dp rank 0)."""
-    out = {}
+    """Every stage's run on this rank, without and with Pa+cpu: {"train" | "Pa+cpu": {stage: (losses, norms,
+    this tp rank's full state dict on dp rank 0, specs)}}."""
+    variants = {"train": None, "Pa+cpu": PA_CPU}
+    out = {key: {} for key in variants}
     for stage, opt_name, zero in CASES:
-        run = TPRun(stage, opt_name, **zero)
-        losses, norms = run.train(range(STEPS))
-        out[stage] = (losses, norms, run.engine.full_state_dict(), run.specs)
-        run.close()
+        # Both engines of a stage are built before either closes: torch names a communicator made over some
+        # ranks of the world (stage 3's reduction communicator over the data-parallel group) by those ranks and
+        # the number of live groups, so one re-made after the other's close would get the dead one's name and
+        # store keys, and gloo would connect to its closed ports (comm/process_group.py, new_group_like).
+        runs = {key: TPRun(stage, opt_name, activation_checkpointing=ac, **zero) for key, ac in variants.items()}
+        for key, run in runs.items():
+            run.reseed()  # the other run's construction seeded the generators too
+            losses, norms = run.train(range(STEPS))
+            out[key][stage] = (losses, norms, run.engine.full_state_dict(), run.specs)
+        kept = _kept_bytes()
+        # Pa+cpu: each block's input (micro-batch x block_size x n_embd fp32) kept in host memory, half per
+        # tensor-parallel rank; both blocks' at once at the peak, none on the device
+        half_input = MICRO_BS * CFG.block_size * CFG.n_embd * 4 // TP
+        assert kept.peak[HOST] == CFG.n_layer * half_input and kept.peak[DEVICE] == 0, kept
+        for run in runs.values():
+            run.close()
     return out
 
 
@@ -59,6 +80,12 @@ def checkpoint_case(root: str) -> dict:
         assert all(torch.equal(consolidated[k], given[k]) for k in given)
     return {"cont": (cont_losses, cont), "resumed": (resumed_losses, resumed), "saved": saved_full,
             "consolidated": consolidated}
+
+
+def _kept_bytes():
+    from zerodp.activations import PROCESS
+
+    return PROCESS.checkpointer.kept_bytes
 
 
 def deepspeed_case() -> dict:
@@ -104,7 +131,7 @@ def overflow_case() -> dict:
 
 
 def all_cases(root: str) -> dict:
-    return {"train": train_cases(), "checkpoint": checkpoint_case(root), "deepspeed": deepspeed_case(),
+    return {**train_cases(), "checkpoint": checkpoint_case(root), "deepspeed": deepspeed_case(),
             "overflow": overflow_case()}
 
 
@@ -114,13 +141,13 @@ def test_tp2_dp2_equals_unsharded(dist_run):
         # `zerodp consolidate`'s writer: the merged model in one file
         merged_file = load_file(str(save_consolidated(root, Path(root) / "merged.safetensors", tag="s2")))
     init = dict(TensorParallelGPT(CFG, seed=SEED).named_parameters())
-    for stage, opt_name, _ in CASES:
+    for (stage, opt_name, _), kind in itertools.product(CASES, ("train", "Pa+cpu")):
         ref_losses, ref_norms, ref_params = reference_run(opt_name, STEPS)
         assert_trained(ref_params, init, by=1e-3)
         for rank, result in enumerate(results):
-            losses, norms, _, _ = result["train"][stage]
+            losses, norms, _, _ = result[kind][stage]
             tp, dp = rank % TP, rank // TP
-            where = f"stage {stage} rank {rank} (tp {tp}, dp {dp})"
+            where = f"{kind} stage {stage} rank {rank} (tp {tp}, dp {dp})"
             # fp32 losses of order 3, summed in another order: ~1e-7 relative; rtol 1e-5 leaves x100
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[dp]), rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where}: losses: {m}")
@@ -128,14 +155,14 @@ def test_tp2_dp2_equals_unsharded(dist_run):
             # changes it by far more than rtol 1e-5
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where}: gradient norms: {m}")
-        _, _, sd0, specs = results[0]["train"][stage]
-        params = unsharded([results[t]["train"][stage][2] for t in range(TP)], specs)
+        _, _, sd0, specs = results[0][kind][stage]
+        params = unsharded([results[t][kind][stage][2] for t in range(TP)], specs)
         assert set(params) >= set(ref_params)
         if opt_name == "sgd":  # the update is lr * clipped gradient: rtol 1e-5 of the value, 1e-6 near zero
             for key, ref in ref_params.items():
-                torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"stage {stage} {key}: {m}")
+                torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} stage {stage} {key}: {m}")
         else:
-            assert_adam_params_close(params, ref_params, 1e-2, STEPS, where=f"stage {stage}")
+            assert_adam_params_close(params, ref_params, 1e-2, STEPS, where=f"{kind} stage {stage}")
 
     ckpt = [r["checkpoint"] for r in results]
     for rank in range(TP * DP):
