@@ -31,7 +31,7 @@ deepspeed.init_distributed("gloo")
 import torch.distributed as dist  # noqa: E402
 
 mpu = ModelParallelUnit(2)
-tracker = RNGStatesTracker()
+tracker = RNGStatesTracker("cpu")
 model = TensorParallelGPT(CFG, mpu, rng=tracker, seed=SEED)
 params = dict(model.named_parameters())
 MARK = os.environ.get("MARK", "1") == "1"  # MARK=0: no attributes (DeepSpeed then counts every parameter once)

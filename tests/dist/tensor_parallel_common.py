@@ -62,7 +62,7 @@ class TPRun:
         if activation_checkpointing is not None:  # Megatron-DeepSpeed's calls: configure(mpu, ...), its tracker
             self.tracker = _configure_checkpointing(self.mpu, activation_checkpointing)
         else:
-            self.tracker = RNGStatesTracker()
+            self.tracker = RNGStatesTracker("cpu")
         self.model = model = TensorParallelGPT(CFG, self.mpu, rng=self.tracker, seed=SEED)
         if activation_checkpointing is not None:
             from zerodp.deepspeed import checkpointing
@@ -144,7 +144,7 @@ class ReferenceStreams:
     def __init__(self) -> None:
         self.default, self.trackers = [], []
         for _ in range(DP):
-            tracker = RNGStatesTracker()
+            tracker = RNGStatesTracker("cpu")
             for t in range(TP):
                 tracker.add(f"tp{t}", SEED + MODEL_PARALLEL_SEED_OFFSET + t)
             self.trackers.append(tracker)

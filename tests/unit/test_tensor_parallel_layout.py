@@ -55,7 +55,7 @@ def test_strided_shards_merge_back():
 
 
 def test_tracker_streams():
-    tracker = RNGStatesTracker()
+    tracker = RNGStatesTracker("cpu")
     seed_model_parallel(tracker, 5, 1)
     default_first = torch.rand(3)
     with tracker.fork():
@@ -66,7 +66,7 @@ def test_tracker_streams():
     assert torch.equal(torch.rand(3), after)
     with tracker.fork():
         assert torch.equal(torch.rand(3), mp_first)
-    other = RNGStatesTracker()
+    other = RNGStatesTracker("cpu")
     seed_model_parallel(other, 5, 0)
     with other.fork():
         assert not torch.equal(torch.rand(3), mp_first)  # another tensor-parallel rank draws another stream

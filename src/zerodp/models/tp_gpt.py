@@ -14,8 +14,8 @@ forward is gpt.py's math.
 
 Dropout: on the replicated residual stream it draws from torch's default generator, seeded alike on every
 tensor-parallel rank; on the attention probabilities (this rank's heads only) it draws inside
-`rng.fork()`, the model-parallel stream of an `RNGStatesTracker` (or any object with Megatron's
-`fork()`, e.g. deepspeed.checkpointing's tracker), which differs per tensor-parallel rank.
+`rng.fork()`, the model-parallel stream of a `tensor_parallel.RNGStatesTracker` (deepspeed.checkpointing's
+`get_cuda_rng_tracker()` is one), which differs per tensor-parallel rank.
 The forward returns this rank's slice of the logits; `tp_lm_loss` is the vocab-parallel cross entropy.
 """
 
