@@ -4,8 +4,11 @@ On 4 gloo ranks (one launch for every case): the tensor-parallel GPT with dropou
 tracker), gradient accumulation and clipping on every step, at ZeRO stages 1, 2 and 3, against the
 reference of tensor_parallel_common.py: losses of every (tp, dp) rank, the gradient norm of every step
 (the rule: tensor-parallel shards summed over TP ranks, replicated parameters once) and the parameters,
-gathered to the unsharded shapes. Then a checkpoint written per (tp, dp) rank resumes bitwise, and its
-consolidation merges into the unsharded model.
+gathered to the unsharded shapes; the same with every block's activation checkpoint partitioned over the
+tensor-parallel group and kept in host memory (Pa+cpu). Then a checkpoint written per (tp, dp) rank resumes
+bitwise, loads at one data-parallel rank (2 ranks), is refused at another tensor-parallel size, and its
+consolidation merges into the unsharded model; the DeepSpeed adapter's mpu= and an fp16 overflow on one
+tensor-parallel rank.
 """
 
 import itertools
@@ -16,11 +19,14 @@ import torch
 from safetensors.torch import load_file
 
 from tests.dist.common import assert_adam_params_close, assert_trained
-from tests.dist.tensor_parallel_common import CFG, DP, MICRO_BS, SEED, TP, TPRun, reference_run, unsharded
+from tests.dist.tensor_parallel_common import CFG, DP, MICRO_BS, SEED, TP, TPRun, config, reference_run, unsharded
 from zerodp.activations import DEVICE, HOST
 from zerodp.checkpoint.consolidate import consolidate_tensor_parallel, save_consolidated
+import zerodp
+from zerodp.errors import CheckpointError
 from zerodp.models.gpt import GPT
 from zerodp.models.tp_gpt import TensorParallelGPT
+from zerodp.tensor_parallel import ModelParallelUnit
 
 STEPS = 3
 CASES = [(1, "adamw", {}), (2, "sgd", {}), (3, "adamw", {"stage3_unit_min_params": 1})]
@@ -82,6 +88,26 @@ def checkpoint_case(root: str) -> dict:
             "consolidated": consolidated}
 
 
+def reload_at_one_data_parallel_rank(root: str) -> dict:
+    """On 2 ranks (TP 2 x DP 1): the TP 2 x DP 2 checkpoint loads at another data-parallel size; a run at
+    tensor-parallel size 1 is refused, naming the saved size."""
+    run = TPRun(2, "adamw")
+    run.engine.load_checkpoint(root, tag="s2")
+    loaded = run.engine.full_state_dict()
+    run.close()
+    mpu = ModelParallelUnit(1)
+    model = TensorParallelGPT(CFG, mpu, seed=SEED)
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), config(2), mpu=mpu)
+    try:
+        engine.load_checkpoint(root, tag="s2")
+        refusal = None
+    except CheckpointError as err:
+        refusal = str(err)
+    engine.close()
+    mpu.destroy()
+    return {"loaded": loaded, "refusal": refusal}
+
+
 def _kept_bytes():
     from zerodp.activations import PROCESS
 
@@ -96,7 +122,6 @@ def deepspeed_case() -> dict:
     e = run.engine
     getters = (e.global_rank, e.world_size, e.dp_world_size, e.mp_world_size)
     from zerodp.deepspeed import zero
-    from tests.dist.tensor_parallel_common import config
 
     # zero.Init(mpu=) creates stage-3 parameters partitioned over the same data-parallel group
     assert zero.Init(config_dict_or_path=config(3), mpu=run.mpu).group is run.mpu.get_data_parallel_group()
@@ -138,6 +163,7 @@ def all_cases(root: str) -> dict:
 def test_tp2_dp2_equals_unsharded(dist_run):
     with tempfile.TemporaryDirectory() as root:
         results = dist_run(TP * DP, all_cases, root, timeout=300)
+        reloaded = dist_run(TP, reload_at_one_data_parallel_rank, root)
         # `zerodp consolidate`'s writer: the merged model in one file
         merged_file = load_file(str(save_consolidated(root, Path(root) / "merged.safetensors", tag="s2")))
     init = dict(TensorParallelGPT(CFG, seed=SEED).named_parameters())
@@ -180,6 +206,9 @@ def test_tp2_dp2_equals_unsharded(dist_run):
         assert torch.equal(consolidated[key], saved[key]), f"consolidated {key} is not the saved model's"
     assert consolidated["blocks.0.attn.qkv.weight"].shape == (3 * CFG.n_embd, CFG.n_embd)
     assert set(merged_file) == set(saved) and all(torch.equal(merged_file[k], saved[k]) for k in saved)
+    for t in range(TP):  # at one data-parallel rank, each tensor-parallel rank holds what TP 2 x DP 2 saved
+        assert all(torch.equal(reloaded[t]["loaded"][k], ckpt[t]["saved"][k]) for k in ckpt[t]["saved"])
+        assert "saved at tensor-parallel size 2, this run has 1" in reloaded[t]["refusal"]
     gpt = GPT(CFG)  # the merged model is gpt.py's GPT (its lm_head.weight is the tied wte.weight)
     loaded = gpt.load_state_dict(merged_file, strict=False)
     assert loaded.missing_keys == ["lm_head.weight"] and not loaded.unexpected_keys
