@@ -143,3 +143,11 @@ def test_tensor_parallel_without_marked_parameters_is_logged(caplog):
     rule = model_parallel_norm(Mpu(), TensorParallelGPT(CONFIG, seed=0))
     # wte; per block attn.qkv.weight, attn.proj.weight, mlp.fc.weight and .bias, mlp.proj.weight
     assert len(rule.sharded_ids) == 1 + 2 * 5 and not caplog.text
+
+
+def test_tp1_generate_is_gpt_generate():
+    ref, tp = GPT(CONFIG, seed=3), TensorParallelGPT(CONFIG, seed=3)
+    prompt = torch.tensor([[1, 2, 3]])
+    a = ref.generate(prompt, 6, top_k=5, generator=torch.Generator().manual_seed(1))
+    b = tp.generate(prompt, 6, top_k=5, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.shape == (1, 9)

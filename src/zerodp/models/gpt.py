@@ -160,20 +160,27 @@ class GPT(nn.Module):
         The context is cropped to the last ``block_size`` tokens. ``temperature <= 0`` means
         greedy decoding; ``top_k`` keeps only the k most likely tokens before sampling.
         """
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits = self(context)[:, -1, :].float()
-            if temperature <= 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                next_token = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, next_token.to(idx.dtype)], dim=1)
-        return idx
+        return sample_tokens(self, idx, self.config.block_size, max_new_tokens, temperature, top_k, generator)
+
+
+@torch.no_grad()
+def sample_tokens(logits_of, idx: torch.Tensor, block_size: int, max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """GPT.generate's loop over any `logits_of(context) -> (B, T, vocab)` (models/tp_gpt.py gathers its slices)."""
+    for _ in range(max_new_tokens):
+        context = idx[:, -block_size:]
+        logits = logits_of(context)[:, -1, :].float()
+        if temperature <= 0:
+            next_token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            next_token = torch.multinomial(probs, 1, generator=generator)
+        idx = torch.cat([idx, next_token.to(idx.dtype)], dim=1)
+    return idx
 
 
 @torch.no_grad()

@@ -31,7 +31,8 @@ from torch import nn
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.layout import tensor_parallel_specs
-from .gpt import GPTConfig, init_parameter
+from ..tensor_parallel.mappings import gather_from_tensor_parallel
+from .gpt import GPTConfig, init_parameter, sample_tokens
 
 
 class AttentionCore(nn.Module):
@@ -133,6 +134,10 @@ class TensorParallelGPT(nn.Module):
             else:
                 param.copy_(whole)
 
+    def num_parameters(self) -> int:
+        """Parameter elements this rank holds (its shards and the replicated parameters)."""
+        return sum(p.numel() for p in self.parameters())
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
         if T > self.config.block_size:
@@ -143,6 +148,17 @@ class TensorParallelGPT(nn.Module):
             x = block(x) if self.checkpoint_fn is None else self.checkpoint_fn(block, x)
         x = self.ln_f(x)
         return self.wte.parallel_logits(x) if self.lm_head is None else self.lm_head(x)
+
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """GPT.generate over the whole vocabulary (each step all-gathers the last position's logit slices); every
+        tensor-parallel rank must call it with the same generator state, and so samples the same tokens."""
+        def whole_logits(context: torch.Tensor) -> torch.Tensor:
+            return gather_from_tensor_parallel(self(context)[:, -1:, :], self.group)
+
+        return sample_tokens(whole_logits, idx, self.config.block_size, max_new_tokens, temperature, top_k, generator)
 
 
 def tp_lm_loss(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
