@@ -27,10 +27,12 @@ train: setup
 # The whole suite, every failure reported (no -x): the in-process unit tests first, then multi-rank on gloo,
 # the Hugging Face integration and end to end; then the GPU tests (skipped without one) in a pytest process of
 # their own, so that their NCCL group and ZERODP_REAL_COLLECTIVES never reach another test on a GPU host
-# ([Note: nothing after tests/gpu sees its group] in tests/gpu/one_rank.py). Fails if either run failed.
+# ([Note: nothing after tests/gpu sees its group] in tests/gpu/one_rank.py). The first run hides any GPU
+# (CUDA_VISIBLE_DEVICES=): on a GPU host it tests what CI tests (2 gloo ranks per job, CPU tensors), which
+# `zerodp train`'s GPU defaults would otherwise change (e.g. --nproc 2 on one GPU is refused). Fails if either failed.
 FAST_TESTS := tests/unit tests/e2e/test_cli.py tests/e2e/test_docs.py
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE -m "not slow" tests/unit tests/dist tests/hf tests/e2e; \
+	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE -m "not slow" tests/unit tests/dist tests/hf tests/e2e; \
 	cpu=$$?; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE -m "not slow" tests/gpu; gpu=$$?; \
 	test $$cpu -eq 0 -a $$gpu -eq 0
 

@@ -27,13 +27,14 @@ from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
 from .checkpoint.tensor_parallel import rank_dir as tp_rank_dir, save_per_rank as tp_save
 from .comm import watchdog
-from .config import ZeroConfig, load_config
+from .config import ConfigError, ZeroConfig, load_config
 from .config.auto import resolve_auto
 from .errors import NonFiniteError
 from .flat.grad_arithmetic import GradArithmetic
+from .optim.client_schedule import build_schedule, engine_schedule
 from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
-from .memory.trim import TRIM_INTERVAL_STEPS, release_free_memory
+from .host_memory import TRIM_INTERVAL_STEPS, release_free_memory
 from .module_device import place_module
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
@@ -47,6 +48,7 @@ from .preflight import broadcast_module_state, check_same_model, optimizer_group
 from .seams import ShardingStrategy
 from .replicated_params.buckets import ReducePolicy, build_buckets
 from .replicated_params.strategy import GradReducer
+from .runtime import RUNTIME, Lease
 from .stage3 import build_stage3_sharding
 
 log = logging.getLogger("zerodp")
@@ -56,17 +58,19 @@ class ZeroEngine:
     """A model trained with ZeRO. Create it with `zerodp.initialize`."""
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig,
-                 process_group: comm.ProcessGroup = None, cast_inputs: bool = True, mpu: Any = None) -> None:
+                 process_group: comm.ProcessGroup = None, cast_inputs: bool = True, *, lr_scheduler: Any = None,
+                 lease: Optional[Lease] = None, mpu: Any = None) -> None:
+        if lr_scheduler is not None and config.scheduler is not None:
+            raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")
         self.module = model
         self.config = config
-        # The engine owns the default group when zerodp created it (initialize, init_context): close() ends it.
-        self._owns_process_group = process_group is None and comm.owns_default_group()
-        # mpu (Megatron's): ZeRO shards over its data-parallel group; norms and overflow span the model-parallel one
-        self.mpu = mpu
+        self.mpu = mpu  # Megatron's: ZeRO shards over its data-parallel group; norms and overflow span both groups
         self.process_group = process_group = data_parallel_group(mpu, process_group)
         self.rank = comm.get_rank(process_group)
         self.world_size = comm.get_world_size(process_group)
-        watchdog.configure(config.comm_timeout_s, config.zero_optimization.debug_sync, rank=self.rank)
+        # process-wide settings (watchdog, real collectives, default group, allocator): runtime.py; close() gives back
+        self._lease = lease if lease is not None else RUNTIME.lease(config, self.rank, process_group)
+        self._lease.held_by(self)
         watchdog.activity.enter("setup")
         check_same_model(model, process_group)
         config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config_auto)
@@ -119,9 +123,11 @@ class ZeroEngine:
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
             placement=self.placement, model_parallel=model_parallel_norm(mpu, model))
-        # DeepSpeed's `scheduler` section, stepped after every optimizer step taken (see lr_schedules)
-        self.lr_scheduler = None if config.scheduler is None else \
+        # DeepSpeed's `scheduler` section or the caller's own schedule, stepped after every optimizer step taken
+        self._lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
+        if lr_scheduler is not None:  # the caller's own (optim/client_schedule.py)
+            self._lr_scheduler = build_schedule(lr_scheduler, self)
         # DeepSpeed's monitoring sections (csv_monitor, tensorboard, wandb, comms_logger, flops_profiler)
         self.monitor = Monitor.from_config(config, self.rank, self.world_size, self.train_batch_size)
         if self.rank == 0:
@@ -208,7 +214,7 @@ class ZeroEngine:
         self.skipped_steps += 0 if outcome is StepOutcome.STEPPED else 1
         self.global_step += 1
         if self.stage == 3 and self.global_step % TRIM_INTERVAL_STEPS == 0:
-            release_free_memory()  # stage 3's gather/free churn leaves holes malloc keeps: see memory/trim.py
+            release_free_memory()  # stage 3's gather/free churn leaves holes malloc keeps: [Note: heap trimming] in host_memory.py
         watchdog.activity.global_step = self.global_step
         if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
             self.lr_scheduler.step()
@@ -250,6 +256,16 @@ class ZeroEngine:
         for index, unit in enumerate(self.units):
             if id(unit) in written:
                 self.optimizer.load_master_from_shard(index)
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The learning-rate schedule stepped after every optimizer step taken (None: none); saved in checkpoints."""
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, schedule: Any) -> None:
+        """Replace the schedule (None: none, as Lightning sets it); see optim/client_schedule.py."""
+        self._lr_scheduler = engine_schedule(schedule, self)
 
     # -- read-only figures -----------------------------------------------------------------------
 
@@ -316,7 +332,7 @@ class ZeroEngine:
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
         if self.mpu is not None:  # each tensor-parallel rank reads its own directory (checkpoint/tensor_parallel.py)
-            load_dir = self.tensor_parallel_dir(load_dir, saved=True)
+            load_dir = tp_rank_dir(self.mpu, load_dir, saved=True)
         resumed = read_checkpoint(self, load_dir, tag=tag, load_lr_scheduler=load_lr_scheduler)
         self.scaler.load_state_dict(resumed.loss_scaler)
         if resumed.lr_scheduler is not None and self.lr_scheduler is not None:
@@ -329,10 +345,6 @@ class ZeroEngine:
         if resumed.rng is not None:  # ranks beyond the saved world size keep their own RNG states
             set_rng_state(resumed.rng)
         return resumed.client_state
-
-    def tensor_parallel_dir(self, root, saved: bool = False):
-        """This tensor-parallel rank's checkpoint directory under `root` (`saved`: check the saved layout first)."""
-        return tp_rank_dir(self.mpu, root, saved)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
@@ -349,17 +361,15 @@ class ZeroEngine:
         Idempotent. Call it (or use the engine as a context manager) when training ends; an atexit
         hook does the same at interpreter exit (see [Note: teardown] in comm/process_group.py). The offload
         tier's files are deleted too (otherwise at garbage collection or exit). After close() the engine
-        can no longer communicate; a process group the caller created is left alone.
+        can no longer communicate; a process group the caller created is left alone, and so is one another
+        live engine uses (runtime.py).
         """
         self.monitor.close()  # the comms_logger summary is logged here
         # hooks, the stage-3 parameter registry's entries, its reduction communicator, the offloaded shards'
         # files (the engine cannot train after this)
         self.sharding.close()
         self.optimizer.close()  # the offload tier's stores, files and I/O threads, if any
-        if self._owns_process_group:
-            self._owns_process_group = False
-            comm.destroy_distributed()
-        comm.watchdog.stop()  # started again by the next blocking collective, if any
+        self._lease.close()  # the last engine out ends the default group zerodp made, the watchdog, mallopt
 
     def __enter__(self) -> "ZeroEngine":
         return self
@@ -381,19 +391,24 @@ def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroCon
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
-               process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True, mpu: Any = None) -> ZeroEngine:
+               process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True,
+               lr_scheduler: Any = None, mpu: Any = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training as `config` says (README's quick start). The one place an engine is built:
-    the DeepSpeed and VISSL entries translate and call this. `cast_inputs=False`: inputs keep their dtype.
-    `mpu`: Megatron's model-parallel unit (or zerodp.tensor_parallel.ModelParallelUnit) of a tensor-parallel
-    model: ZeRO shards over its data-parallel group (optim/model_parallel.py)."""
-    if optimizer is None:  # a VISSL file builds VISSL's param groups, which needs the model
-        from .optim.vissl_optimizer import vissl_initialize_args
-        optimizer, config = vissl_initialize_args(model, config)
+    the DeepSpeed and VISSL entries translate and call this. `optimizer=None`: the config's `optimizer` section
+    builds it (an error says so where there is none). `cast_inputs=False`: inputs keep their dtype.
+    `lr_scheduler`: a schedule over `optimizer` (or a callable building one on the engine's optimizer),
+    stepped after every optimizer step taken, instead of a config `scheduler` section. `mpu`: Megatron's model-
+    parallel unit of a tensor-parallel model: ZeRO shards over its data-parallel group (optim/model_parallel.py)."""
     config = load_config(config)
     if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
         activations.PROCESS.adopt(config.activation_checkpointing)
-    watchdog.configure(config.comm_timeout_s)  # before init: the backend's own timeout follows it
-    comm.init_distributed()
-    # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
-    place_module(model, process_group if mpu is None else data_parallel_group(mpu, process_group))
-    return ZeroEngine(model, optimizer, config, process_group, cast_inputs, mpu)
+    comm.init_distributed(RUNTIME.backend_timeout_s(config))
+    group = process_group if mpu is None else data_parallel_group(mpu, process_group)  # what ZeRO shards over
+    lease = RUNTIME.lease(config, comm.get_rank(group), group)
+    try:
+        place_module(model, group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
+        return ZeroEngine(model, optimizer, config, process_group, cast_inputs, lr_scheduler=lr_scheduler,
+                          lease=lease, mpu=mpu)
+    except BaseException:
+        lease.close()  # an engine that failed to build holds nothing of the process
+        raise

@@ -154,6 +154,9 @@ class CheckpointEngine(Protocol):
     placement: Any  # placement.Placement: where masters live and collectives run (compute.device)
 
     @property
+    def lr_scheduler(self) -> Any: ...  # the schedule saved beside the shards, or None
+
+    @property
     def units(self) -> Sequence[ShardedUnit]: ...
 
     @property

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from zerodp.vissl import translate_vissl
 from zerodp.config import ConfigError, ZeroConfig, load_config, reference_markdown
 
 DEEPSPEED_CONFIG = {
@@ -106,22 +107,24 @@ MODEL:
 def test_vissl_dialect(tmp_path):
     path = tmp_path / "vissl.yaml"
     path.write_text(VISSL_YAML)
-    cfg = load_config(path)
+    with pytest.raises(ConfigError, match=r"VISSL's dialect.*zerodp.integrations.vissl.initialize"):
+        load_config(path)  # the adapter translates VISSL; zerodp's own config refuses it with the fix
+    cfg = load_config(translate_vissl(path))
     assert cfg.stage == 2  # USE_SDP
     assert cfg.optimizer.type == "sgd"
     assert cfg.optimizer.params == {"lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 1e-6,
                                     "larc": {"clip": False, "trust_coefficient": 0.001, "eps": 1e-8}}
     without_sdp = VISSL_YAML.replace("USE_SDP: true", "USE_SDP: false")
     path.write_text(without_sdp)
-    assert load_config(path).stage == 1  # OPTIMIZER.name: zero alone is optimizer-state sharding
+    assert load_config(translate_vissl(path)).stage == 1  # OPTIMIZER.name: zero alone is optimizer-state sharding
 
 
 def test_vissl_unknown_key_and_vissl_defaults():
     with pytest.raises(ConfigError, match="did you mean 'use_larc'"):
-        load_config({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd", "use_lars": True}}})
+        translate_vissl({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd", "use_lars": True}}})
     # Absent keys take VISSL's defaults (defaults.yaml): the multistep schedule starts at 0.1, momentum 0.9,
     # weight decay 1e-4 (never silent zeros).
-    params = load_config({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd"}}}).optimizer.params
+    params = load_config(translate_vissl({"OPTIMIZER": {"name": "zero", "base_optimizer": {"name": "sgd"}}})).optimizer.params
     assert params == {"lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 1e-4}
 
 
@@ -156,14 +159,14 @@ def test_bucket_sizes_at_stage_3_warn_that_they_do_not_apply():
 def test_vissl_reduce_buffer_size_is_the_stage_2_bucket():
     """VISSL passes reduce_buffer_size (elements) to ShardedDDP only under USE_SDP; -1 means fairscale's 2**23."""
     sdp = {"MODEL": {"SHARDED_DDP_SETUP": {"USE_SDP": True, "reduce_buffer_size": 1000}}}
-    assert load_config(sdp).zero_optimization.reduce_bucket_size == 1000
+    assert load_config(translate_vissl(sdp)).zero_optimization.reduce_bucket_size == 1000
     sdp["MODEL"]["SHARDED_DDP_SETUP"]["reduce_buffer_size"] = -1
-    assert load_config(sdp).zero_optimization.reduce_bucket_size == 2 ** 23
+    assert load_config(translate_vissl(sdp)).zero_optimization.reduce_bucket_size == 2 ** 23
     sdp["MODEL"]["SHARDED_DDP_SETUP"]["reduce_buffer_size"] = 0  # fairscale: no bucketing
-    assert load_config(sdp).zero_optimization.reduce_bucket_size == 1
+    assert load_config(translate_vissl(sdp)).zero_optimization.reduce_bucket_size == 1
     no_sdp = {"MODEL": {"SHARDED_DDP_SETUP": {"USE_SDP": False, "reduce_buffer_size": 1000}}}
     with pytest.warns(UserWarning, match="reduce_buffer_size has no effect without USE_SDP"):
-        assert load_config(no_sdp).stage == 0
+        assert load_config(translate_vissl(no_sdp)).stage == 0
 
 
 @pytest.mark.parametrize("bad", [
@@ -174,7 +177,7 @@ def test_vissl_reduce_buffer_size_is_the_stage_2_bucket():
 ])
 def test_vissl_errors_are_one_line_config_errors(bad):
     with pytest.raises(ConfigError) as info:
-        load_config(bad)
+        translate_vissl(bad)
     message = str(info.value)
     assert message.startswith("VISSL config: ") and "\n" not in message
 

@@ -11,9 +11,9 @@ from torch import nn
 
 import zerodp
 from zerodp.config import ConfigError, load_config
-from zerodp.vissl import load_vissl
+from zerodp.vissl import load_vissl, translate_vissl
 from zerodp.vissl.defaults import VISSL_DEFAULTS
-from zerodp.optim.vissl_optimizer import vissl_lr_scheduler, vissl_optimizer, vissl_param_groups
+from zerodp.integrations.vissl_optimizer import vissl_lr_scheduler, vissl_optimizer, vissl_param_groups
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vissl"
 SWAV, SIMCLR = CONFIGS / "swav_8node_resnet.yaml", CONFIGS / "simclr_8node_resnet.yaml"
@@ -178,13 +178,13 @@ def test_errors_name_the_key_and_fix(tmp_path):
         load_vissl(FULLTUNE_10B, overrides=["config.MODEL.SHARDED_DDP_SETUP.USE_SDP=True"])
     with pytest.raises(ConfigError, match="lengths must sum to 1"):
         load_vissl(SWAV, overrides=["config.OPTIMIZER.param_schedulers.lr.lengths=[0.5,0.6]"])
-    # zerodp.initialize(model, None, file) cannot step a schedule for the user: it says how
+    # zerodp.initialize reads no VISSL file (its adapter translates it): the error says how
     path = tmp_path / "swav.yaml"
     path.write_text(SWAV.read_text())
     with pytest.raises(ConfigError, match="steps_per_epoch"):
         zerodp.initialize(TinyNet(), None, str(path))
-    # load_config (no model) gives one group at the schedule's first lr
-    cfg = load_config(path)
+    # translated for load_config (no model): one group at the schedule's first lr
+    cfg = load_config(translate_vissl(path))
     assert cfg.optimizer.params["lr"] == pytest.approx(0.6) and cfg.fp16.enabled
 
 

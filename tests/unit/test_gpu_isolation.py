@@ -48,3 +48,6 @@ def test_make_test_runs_tests_gpu_in_a_process_of_its_own():
     folders = [set(re.findall(r"tests/\w+", cmd)) for cmd in runs]
     assert {"tests/unit", "tests/dist", "tests/hf", "tests/e2e", "tests/gpu"} <= set().union(*folders)
     assert [f for f in folders if "tests/gpu" in f] == [{"tests/gpu"}]
+    # on a GPU host the CPU folders still test what CI tests: zerodp's GPU defaults (NCCL, --nproc = GPUs) stay out
+    cpu_runs = [cmd for cmd, f in zip(runs, folders) if "tests/e2e" in f]
+    assert cpu_runs and all(re.search(r"CUDA_VISIBLE_DEVICES=\s", cmd) for cmd in cpu_runs)

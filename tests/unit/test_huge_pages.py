@@ -11,7 +11,7 @@ import torch
 
 from zerodp.flat.buffer import FlatBuffer, alloc_storage, free_storage
 from zerodp.flat.layout import FlatLayout
-from zerodp.huge_pages import HUGE_PAGE_BYTES, MIN_ADVISED_BYTES, advise_huge_pages
+from zerodp.host_memory import HUGE_PAGE_BYTES, MIN_ADVISED_BYTES, advise_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

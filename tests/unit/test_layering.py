@@ -6,6 +6,13 @@ modules such as `engine` count as their own node). An edge is any import, at mod
 function, from a module of one node to a module of another; imports of the root package `zerodp`
 itself (its public API) are not edges. A cycle fails with the modules that make each edge.
 
+The tiers (issue 33): the runtime (what trains: the engine and everything below `initialize`) imports no
+adapter (a dialect: DeepSpeed's, Hugging Face's, VISSL's) and no planner (an estimate before launch, the
+scaling model, the CLI, the `zerodp train` application, the bundled model); those are built on the runtime.
+`TIERS` names every module of zerodp by prefix, the longest matching prefix deciding (`memory.report`, what
+a live rank holds, is runtime inside `memory`, whose formulas and peak-RSS model plan). Every module must
+fall in a tier, so a new package is placed on purpose.
+
 A few packages promise a tighter bound in their docstring, checked here too: `vissl` (VISSL's dialect,
 translated) is pure config, which `config` itself imports, so it imports no torch and no zerodp package
 but `errors`; `models` (the bundled GPT) is a library model any layer may import, so it imports no zerodp
@@ -135,6 +142,60 @@ def test_no_package_level_import_cycle():
     detail = [f"{a} -> {b} ({', '.join(sorted(set(graph[a][b]))[:3])})" for c in cycles for a in c for b in graph.get(a, {})
               if b in c]
     assert not cycles, f"package-level import cycles {cycles}:\n" + "\n".join(detail)
+
+
+# The tiers as the packages are named today (update with the layout): module prefixes under zerodp.
+TIERS = {
+    "runtime": ("engine", "runtime", "config", "comm", "flat", "replicated_params", "stage3", "optim", "offload",
+                "checkpoint", "precision", "autocast", "monitor", "host_memory", "seams", "errors", "nonfinite",
+                "preflight", "memory.report", "memory.model_states", "module_device", "placement",
+                "activations", "tensor_parallel"),
+    "adapter": ("deepspeed", "integrations", "vissl"),
+    "planner": ("scaling", "memory", "offload.estimate", "cli", "app", "models"),
+}
+
+
+def tier_of(module: str) -> str:
+    """The tier of zerodp module `module` (its longest prefix in TIERS); "" for the root package."""
+    rel = module.removeprefix("zerodp").removeprefix(".")
+    if rel in ("", "__main__"):
+        return ""  # the public API (`zerodp`) and `python -m zerodp`: above every tier, imported by none
+    matches = [(len(prefix), tier) for tier, prefixes in TIERS.items() for prefix in prefixes
+               if rel == prefix or rel.startswith(prefix + ".")]
+    assert matches, f"{module} is in no tier: add it to TIERS in tests/unit/test_layering.py"
+    return max(matches)[1]
+
+
+def tier_violations() -> list[str]:
+    """'runtime module -> adapter/planner module' for every import that runs up out of the runtime."""
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = _module_name(path)
+        if tier_of(name) != "runtime":
+            continue
+        for target in sorted(_imports(path)):
+            if target in ("zerodp", "zerodp.__main__") or not _exists(target):
+                continue
+            if tier_of(target) != "runtime":
+                out.append(f"{name} -> {target} ({tier_of(target)})")
+    return out
+
+
+def _exists(module: str) -> bool:
+    """`from .x import name` records `x.name` too, which is a module only sometimes."""
+    rel = Path(*module.split("."))
+    return (SRC / rel).with_suffix(".py").exists() or (SRC / rel / "__init__.py").exists()
+
+
+def test_every_module_is_in_a_tier():
+    for path in ROOT.rglob("*.py"):
+        tier_of(_module_name(path))
+
+
+def test_the_runtime_imports_no_adapter_and_no_planner():
+    violations = tier_violations()
+    assert not violations, ("runtime modules import above their tier (move the function to the runtime side, or "
+                            "invert the dependency):\n  " + "\n  ".join(violations))
 
 
 def test_the_checker_sees_a_cycle():

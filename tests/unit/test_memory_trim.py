@@ -1,9 +1,9 @@
-"""memory.trim gives freed heap pages back to the kernel (glibc), which bounds stage 3's RSS growth."""
+"""host_memory.release_free_memory gives freed heap pages back to the kernel (glibc), which bounds stage 3's RSS growth."""
 
 import psutil
 import pytest
 
-from zerodp.memory.trim import release_free_memory
+from zerodp.host_memory import release_free_memory
 
 
 def test_release_free_memory_returns_freed_heap_pages():

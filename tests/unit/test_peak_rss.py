@@ -111,7 +111,7 @@ def test_run_shape_of_a_users_config_takes_the_engines_defaults():
     plain = dataclasses.replace(cpu, optimizer_offload="none")
     model = uniform_shape(1_000_000, 4, activation_bytes=1e6)
     with_cpu, without = predict_peak_rss(model, cpu, BASE), predict_peak_rss(model, plain, BASE)
-    # device cpu: the state stays in host memory (a CPU rank's RSS), but large buffers are mapped (offload/heap.py)
+    # device cpu: the state stays in host memory (a CPU rank's RSS), but large buffers are mapped (host_memory.py)
     assert with_cpu.term("optimizer states") == without.term("optimizer states") > 0
     assert with_cpu.term("heap retention") == 0 < without.term("heap retention")
     with pytest.raises(ValueError, match="unknown optimizer"):

@@ -6,13 +6,15 @@
     units.py         one unit's part of a checkpoint, saved and loaded one unit at a time (streaming)
     consolidate.py   full fp32 state dicts from disk (no process group) or from a live engine
     hf_export.py     streaming consolidation into the Hugging Face layout (sharded safetensors + index)
+    param_values.py  one parameter's whole master, gradient or optimizer state from a live engine
 """
 
 from ..errors import CheckpointError
 from .consolidate import (consolidate_checkpoint, consolidate_main, consolidate_tensor_parallel, full_state_dict,
                           save_consolidated)
+from .param_values import GRAD, MASTER, whole_param_value
 from .save_load import Resumed, read_checkpoint, save_checkpoint
 
-__all__ = ["save_checkpoint", "read_checkpoint", "Resumed", "full_state_dict", "consolidate_checkpoint", "consolidate_tensor_parallel",
-           "save_consolidated",
-           "consolidate_main", "CheckpointError"]
+__all__ = ["save_checkpoint", "read_checkpoint", "Resumed", "full_state_dict", "consolidate_checkpoint",
+           "consolidate_tensor_parallel", "save_consolidated", "consolidate_main", "CheckpointError",
+           "whole_param_value", "MASTER", "GRAD"]

@@ -125,7 +125,7 @@ def _write_rank_files(engine: CheckpointEngine, tmp: Path, client_state: Optiona
         files[fmt.MODEL_STATES_FILE] = fmt.write_tensor_file(tmp / fmt.MODEL_STATES_FILE, cs.model_states(engine))
         if client_state is not None:
             files[fmt.CLIENT_STATE_FILE] = fmt.write_torch(tmp / fmt.CLIENT_STATE_FILE, client_state)
-        if getattr(engine, "lr_scheduler", None) is not None:
+        if engine.lr_scheduler is not None:
             files[LR_SCHEDULER_FILE] = fmt.write_torch(tmp / LR_SCHEDULER_FILE, engine.lr_scheduler.state_dict())
     return {"segments": segments, "units": units, "files": files}
 

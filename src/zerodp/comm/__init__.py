@@ -1,6 +1,7 @@
 """Communication: the collectives zerodp uses (`collectives.py`), with traffic recording for tests, and
-collectives over shards of unequal sizes (`uneven.py`), the watchdog and flight recorder over every blocking wait (`watchdog.py`), and the default process
-group's life cycle (`process_group.py`) on the backend `backend.py` chooses.
+collectives over shards of unequal sizes (`uneven.py`), what zerodp asks of a group and the world-size-1
+switch (`group.py`), the watchdog and flight recorder over every wait (`watchdog.py`), and the default
+process group's life cycle (`process_group.py`) on the backend `backend.py` chooses.
 
 Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
 is re-exported here.
@@ -9,14 +10,16 @@ is re-exported here.
 from . import topology, watchdog
 from .backend import default_backend, nccl_usable, usable_backend
 from .process_group import destroy_distributed, destroy_group, init_distributed, new_group_like, owns_default_group
-from .collectives import (REAL_COLLECTIVES_ENV, CommLog, CommRecord, Handle, ProcessGroup,
-                          add_observer, remove_observer, all_gather, all_to_all, chunk_ranges, all_gather_object, all_reduce, all_reduce_max_flag, backend_name, broadcast,
-                          get_rank, get_world_size, is_initialized, record,
-                          reduce_scatter, skips_collectives)
+from .group import (REAL_COLLECTIVES_ENV, ProcessGroup, backend_name, get_rank, get_world_size, is_initialized,
+                    issues_no_collectives,
+                    real_collectives_requested, set_real_collectives, skips_collectives, wait_blocks_host)
+from .collectives import (CommLog, CommRecord, Handle, add_observer, remove_observer, all_gather, all_to_all,
+                          chunk_ranges, all_gather_object, all_reduce, all_reduce_max_flag, broadcast, record,
+                          reduce_scatter)
 from .uneven import all_gather_uneven, reduce_scatter_uneven
 
 __all__ = ["topology", "watchdog", "default_backend", "nccl_usable", "usable_backend", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "Handle", "ProcessGroup",
            "add_observer", "remove_observer", "all_gather", "all_to_all", "chunk_ranges", "all_gather_uneven", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
-           "destroy_distributed", "destroy_group", "get_rank", "get_world_size", "init_distributed", "is_initialized", "new_group_like",
-           "owns_default_group", "record",
-           "reduce_scatter", "reduce_scatter_uneven", "skips_collectives"]
+           "destroy_distributed", "destroy_group", "get_rank", "get_world_size", "init_distributed", "is_initialized", "issues_no_collectives", "new_group_like",
+           "owns_default_group", "real_collectives_requested", "record", "reduce_scatter", "reduce_scatter_uneven",
+           "set_real_collectives", "skips_collectives", "wait_blocks_host"]

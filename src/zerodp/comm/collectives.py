@@ -4,34 +4,24 @@ Every function takes the process group explicitly (`None` means the default grou
 no process group at all (one process): then collectives are identities. Each call is appended to
 the active `record()` logs, so tests (and users) can count what a step moves.
 
-[Note: collectives at world size 1] With one rank, collectives are skipped (identities), unless the
-environment has ZERODP_REAL_COLLECTIVES=1 and a process group exists: then they are issued on the
-one-rank communicator like any other, so the real calls, streams and events run on one GPU (NCCL
-cannot put two ranks on one device) or on one gloo rank. tests/gpu and a CPU test set it.
+With one rank collectives are identities unless real collectives are switched on (group.py,
+[Note: collectives at world size 1]).
 
-Backend choices:
-- gloo's reduce-scatter is a slow composite (about half the speed of its all-reduce per byte, and
-  blocking even when asked to be async), so `reduce_scatter` on gloo is a direct pairwise exchange
-  of slices (pairwise.py: half the bytes of an all-reduce of the whole bucket, asynchronous).
-- gloo refuses uneven all-gathers; every caller passes buffers padded by `partition.FlatLayout`.
-  On gloo (2 ranks or more) `all_gather` is a pairwise exchange too (pairwise.py): gloo's own copies
-  the input into a staging buffer and the result out of one, which on the 2-core machine cost about
-  0.1 s of CPU per step and rank at stage 3 on the benchmark GPT (perf, all threads).
-- The pairwise all-gather takes any size as one asynchronous exchange: 2 ranks, one thread each, it
-  moved 4-6 GB/s of output from 8 MiB to 640 MiB, where gloo's own all-gather, sent as 24 MiB messages
-  through a staging buffer (it slows down above that size), moved 0.9-2.4 GB/s and blocked. A 3e9
-  GPT's 316 MB units spent 3.9 s of a 500m-proxy step's 16.7 s forward and backward in that path,
-  unable to prefetch (bench/results/big_offload_step.md).
+Backend choices: on gloo (2 ranks or more) `reduce_scatter` and `all_gather` are direct pairwise
+exchanges (pairwise.py: gloo's own reduce-scatter is a slow blocking composite, its all-gather copies
+through staging buffers); gloo refuses uneven all-gathers, so every caller passes buffers padded by
+`partition.FlatLayout`.
 
-Every collective is entered in the flight recorder and every blocking wait runs under the watchdog
-(`watchdog.py`): a wait longer than comm_timeout_s prints what this rank was doing and exits.
+Every collective is entered in the flight recorder and every wait runs under the watchdog
+(`watchdog.py`): a wait longer than comm_timeout_s prints what this rank was doing and exits. Where a
+wait does not block the host (NCCL: it only orders the current CUDA stream after the collective), the
+watchdog polls a CUDA event recorded behind it instead ([Note: waits that do not block the host]).
 `what` names the collective's target (e.g. a stage-3 unit) for those reports and for debug_sync.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -40,40 +30,13 @@ import torch.distributed as dist
 
 from ..errors import DivergenceError
 from . import topology, watchdog
+from .group import (ProcessGroup, backend_name, get_rank, get_world_size, is_initialized, issues_no_collectives,
+                    wait_blocks_host)
 from .pairwise import exchange_all_gather, exchange_reduce_scatter
-
-ProcessGroup = Optional[dist.ProcessGroup]
-
 
 # torch 2.13 renamed the tensor-form collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-REAL_COLLECTIVES_ENV = "ZERODP_REAL_COLLECTIVES"
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def skips_collectives(group: ProcessGroup = None) -> bool:
-    """True where collectives on `group` are identities: one rank (see [Note: collectives at world size 1])."""
-    if get_world_size(group) != 1:
-        return False
-    return not (is_initialized() and os.environ.get(REAL_COLLECTIVES_ENV) == "1")
-
-
-def get_rank(group: ProcessGroup = None) -> int:
-    return dist.get_rank(group) if is_initialized() else 0
-
-
-def get_world_size(group: ProcessGroup = None) -> int:
-    return dist.get_world_size(group) if is_initialized() else 1
-
-
-def backend_name(group: ProcessGroup = None) -> str:
-    return str(dist.get_backend(group)) if is_initialized() else "none"
 
 
 def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
@@ -172,12 +135,12 @@ def _log(op: str, impl: str, tensor: torch.Tensor, tag: str, group: ProcessGroup
         log.records.append(rec)
     entry = watchdog.issue(op, tag, tensor.numel(), tensor.dtype, _group_name(group), what)
     if _observers:
-        skipped = skips_collectives(group)
+        skipped = issues_no_collectives(group)
         if skipped:
             entry.done_at = entry.issued_at  # an identity: nothing to wait for
         for observer in _observers:
             observer.issued(rec, entry, skipped)
-    if watchdog.debug_sync_enabled() and not skips_collectives(group):
+    if watchdog.debug_sync_enabled() and not issues_no_collectives(group):
         _check_same_collective(entry, group)
     return entry
 
@@ -191,8 +154,7 @@ def _check_same_collective(entry: watchdog.Entry, group: ProcessGroup) -> None:
     world = get_world_size(group)
     mine = torch.tensor([watchdog.signature(entry)], dtype=torch.int64, device=_device_for(group))
     every = torch.empty(world, dtype=torch.int64, device=mine.device)
-    with watchdog.waiting(entry):
-        _all_gather_single(every, mine, group=group)
+    _finish(_all_gather_single(every, mine, group=group, async_op=True), None, False, entry, group)
     if bool((every == every[0]).all()):
         return
     descriptions = [None] * world
@@ -204,11 +166,13 @@ def _check_same_collective(entry: watchdog.Entry, group: ProcessGroup) -> None:
 
 
 class Handle:
-    """A pending collective. `wait()` blocks until it is done and runs its completion step once."""
+    """A pending collective. `wait()` blocks until it is done (or, on NCCL, orders the current stream after
+    it) and runs its completion step once."""
 
     def __init__(self, work: Optional[dist.Work] = None, then: Optional[Callable[[], None]] = None,
-                 entry: Optional[watchdog.Entry] = None) -> None:
+                 entry: Optional[watchdog.Entry] = None, blocks_host: bool = True) -> None:
         self._work, self._then, self._done, self._entry = work, then, False, entry
+        self._blocks_host = blocks_host
 
     def wait(self) -> None:
         if self._done:
@@ -217,6 +181,8 @@ class Handle:
             with watchdog.waiting(self._entry):
                 self._work.wait()
                 _device_done()
+            if not self._blocks_host and self._entry is not None:
+                watchdog.track(self._entry, _stream_probe())
         if self._then is not None:
             self._then()
         self._done = True
@@ -226,11 +192,19 @@ class Handle:
         return self._done
 
 
+def _stream_probe() -> Callable[[], bool]:
+    """A CUDA event recorded on the current stream, which a wait just ordered after a collective: its
+    `query` turns true when the collective (and the work queued before it) is done."""
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
+
+
 def _finish(work: Optional[dist.Work], then: Optional[Callable[[], None]], async_op: bool,
-            entry: watchdog.Entry) -> Handle:
+            entry: watchdog.Entry, group: ProcessGroup) -> Handle:
     # Collectives are always issued asynchronously and a blocking one is waited on here, so that
-    # every host-blocking wait runs under the watchdog.
-    handle = Handle(work, then, entry)
+    # every wait runs under the watchdog.
+    handle = Handle(work, then, entry, wait_blocks_host(backend_name(group)))
     if not async_op:
         handle.wait()
     return handle
@@ -240,9 +214,9 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, async_op: bo
                op: dist.ReduceOp = dist.ReduceOp.SUM, tag: str = "", what: str = "") -> Handle:
     """Sum (or `op`) `tensor` in place across the group."""
     entry = _log("all_reduce", "all_reduce", tensor, tag, group, what)
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         return Handle()
-    return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=True), None, async_op, entry)
+    return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=True), None, async_op, entry, group)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
@@ -257,7 +231,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
     if input.numel() != output.numel() * world:
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x "
                          f"{output.numel()} (pad the buffer to a multiple of the group size)")
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         _log("reduce_scatter", "none", input, tag, group, what)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
@@ -265,7 +239,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
     if not use_all_reduce and backend_name(group) == "gloo" and world > 1:
         entry = _log("reduce_scatter", "pairwise", input, tag, group, what)
         work, finish = exchange_reduce_scatter(output, input, group, get_rank(group), world)
-        return _finish(work, finish, async_op, entry)
+        return _finish(work, finish, async_op, entry, group)
     if use_all_reduce or backend_name(group) == "gloo":  # one gloo rank: a real call (tests/gpu's path)
         entry = _log("reduce_scatter", "all_reduce", input, tag, group, what)
         lo = get_rank(group) * output.numel()
@@ -276,9 +250,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
                 output.copy_(mine)
 
         work = dist.all_reduce(input, group=group, async_op=True)
-        return _finish(work, keep_slice, async_op, entry)
+        return _finish(work, keep_slice, async_op, entry, group)
     entry = _log("reduce_scatter", "reduce_scatter_single", input, tag, group, what)
-    return _finish(_reduce_scatter_single(output, input, group=group, async_op=True), None, async_op, entry)
+    return _finish(_reduce_scatter_single(output, input, group=group, async_op=True), None, async_op, entry, group)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
@@ -288,11 +262,11 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
         raise ValueError(f"all_to_all: input ({input.numel()}) and output ({output.numel()}) must be equal "
                          f"multiples of the group size")
     entry = _log("all_to_all", "all_to_all_single", input, tag, group, what)
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle()
-    return _finish(dist.all_to_all_single(output, input, group=group, async_op=True), None, async_op, entry)
+    return _finish(dist.all_to_all_single(output, input, group=group, async_op=True), None, async_op, entry, group)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *,
@@ -307,7 +281,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
     world = get_world_size(group)
     if output.numel() != input.numel() * world:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected {world} x {input.numel()}")
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         _log("all_gather", "all_gather_single", output, tag, group, what)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
@@ -318,12 +292,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
         return Handle()
     if backend_name(group) == "gloo" and world > 1:
         entry = _log("all_gather", "pairwise", output, tag, group, what)
-        return _finish(exchange_all_gather(output, input, group, get_rank(group), world), None, async_op, entry)
+        return _finish(exchange_all_gather(output, input, group, get_rank(group), world), None, async_op, entry, group)
     entry = _log("all_gather", "all_gather_single", output, tag, group, what)
     if backend_name(group) != "nccl" and _overlaps(output, input):
         # NCCL documents the in-place form; for other backends send a private copy to be safe.
         input = input.clone()
-    return _finish(_all_gather_single(output, input, group=group, async_op=True), None, async_op, entry)
+    return _finish(_all_gather_single(output, input, group=group, async_op=True), None, async_op, entry, group)
 
 
 def _chunked_all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, per_rank: int,
@@ -336,27 +310,23 @@ def _chunked_all_gather(output: torch.Tensor, input: torch.Tensor, group: Proces
         part = staging[:world * (hi - lo)]
         entry = _log("all_gather", "all_gather_single", part, tag, group, what)
         # input may alias a slice of output: the copy is sent before any row of output is written
-        with watchdog.waiting(entry):
-            _all_gather_single(part, input[lo:hi].clone(), group=group)
-            _device_done()
+        _finish(_all_gather_single(part, input[lo:hi].clone(), group=group, async_op=True), None, False, entry, group)
         rows[:, lo:hi].copy_(part.view(world, hi - lo))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None, *, tag: str = "") -> None:
     """Copy rank `src`'s `tensor` to every rank (`src` is a rank of `group`)."""
     entry = _log("broadcast", "broadcast", tensor, tag, group)
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         return
     global_src = dist.get_global_rank(group, src) if group is not None else src
-    with watchdog.waiting(entry):
-        dist.broadcast(tensor, src=global_src, group=group)
-        _device_done()
+    _finish(dist.broadcast(tensor, src=global_src, group=group, async_op=True), None, False, entry, group)
 
 
 def all_gather_object(obj, group: ProcessGroup = None) -> list:
     """Every rank's picklable `obj`, in rank order (`[obj]` with no process group)."""
     world = get_world_size(group)
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         return [obj]
     out = [None] * world
     entry = watchdog.issue("all_gather_object", "object", 1, "object", _group_name(group), "")

@@ -14,6 +14,12 @@ staging buffer and the result out of one; nor is an input that aliases its row c
 12/16/24 MiB outputs, near idle: gloo all_gather 10-15/11-13/22-24 ms, pairwise 6-7/8/11-14 ms; at
 stage 3 on the benchmark GPT it removes about 0.1 s of CPU per step and rank (perf, all threads).
 
+The pairwise all-gather takes any size as one asynchronous exchange: 2 ranks, one thread each, it
+moved 4-6 GB/s of output from 8 MiB to 640 MiB, where gloo's own all-gather, sent as 24 MiB messages
+through a staging buffer (it slows down above that size), moved 0.9-2.4 GB/s and blocked. A 3e9
+GPT's 316 MB units spent 3.9 s of a 500m-proxy step's 16.7 s forward and backward in that path,
+unable to prefetch (bench/results/big_offload_step.md).
+
 Sum order: this rank's own slice first, then the others' in rank order. With two ranks this is
 bitwise the `a + b` of an all-reduce (floating-point addition commutes); with more ranks the
 result may differ from a ring all-reduce in the last bits (a different association).
@@ -31,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..huge_pages import advise_huge_pages
+from ..host_memory import advise_huge_pages
 
 _TAG = 0x5A  # see [Note: pairwise order]
 _GATHER_TAG = 0x5B

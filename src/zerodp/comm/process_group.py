@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import watchdog
 from .backend import default_backend
-from .collectives import ProcessGroup, backend_name, is_initialized, skips_collectives
+from .group import ProcessGroup, backend_name, is_initialized, issues_no_collectives
 
 
 def init_distributed(timeout_s: Optional[float] = None) -> bool:
@@ -106,7 +106,7 @@ def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
     Collectives on different communicators are matched independently, so two streams of
     collectives whose relative order may differ between ranks can each keep their own order.
     """
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         return group
     whole_world = group is None or group is dist.group.WORLD
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)

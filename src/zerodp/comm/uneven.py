@@ -32,7 +32,7 @@ from .collectives import (
     _log,
     backend_name,
     get_rank,
-    skips_collectives,
+    issues_no_collectives,
 )
 from .pairwise import Works, exchange_all_gather, exchange_reduce_scatter
 
@@ -57,18 +57,18 @@ def all_gather_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Sequenc
     mine = output[lo:hi]
     if input.data_ptr() != mine.data_ptr() or input.numel() == 0:
         mine.copy_(input)
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         _log("all_gather", "none", output, tag, group, what)
         return Handle()
     world = len(ranges)
     if backend_name(group) == "gloo" and world > 1:  # one gloo rank: the real broadcast (tests/gpu's path)
         entry = _log("all_gather", "pairwise", output, tag, group, what)
         work = exchange_all_gather(output, mine, group, get_rank(group), world, ranges)
-        return _finish(work, None, async_op, entry)
+        return _finish(work, None, async_op, entry, group)
     entry = _log("all_gather", "broadcast", output, tag, group, what)
     works = [dist.broadcast(output[a:b], src=_global(group, r), group=group, async_op=True)
              for r, (a, b) in enumerate(ranges) if b > a]
-    return _finish(Works(works), None, async_op, entry)
+    return _finish(Works(works), None, async_op, entry, group)
 
 
 def reduce_scatter_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Sequence[tuple[int, int]],
@@ -87,7 +87,7 @@ def reduce_scatter_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Seq
         if output.numel() and output.data_ptr() != mine.data_ptr():
             output.copy_(mine)
 
-    if skips_collectives(group):
+    if issues_no_collectives(group):
         _log("reduce_scatter", "none", input, tag, group, what)
         keep_slice()
         return Handle()
@@ -95,11 +95,11 @@ def reduce_scatter_uneven(output: torch.Tensor, input: torch.Tensor, ranges: Seq
     if gloo and not use_all_reduce and len(ranges) > 1:  # see comm/collectives.py's module note
         entry = _log("reduce_scatter", "pairwise", input, tag, group, what)
         work, finish = exchange_reduce_scatter(output, input, group, get_rank(group), len(ranges), ranges)
-        return _finish(work, finish, async_op, entry)
+        return _finish(work, finish, async_op, entry, group)
     if use_all_reduce or gloo:  # one gloo rank: a real call (tests/gpu's path)
         entry = _log("reduce_scatter", "all_reduce", input, tag, group, what)
-        return _finish(dist.all_reduce(input, group=group, async_op=True), keep_slice, async_op, entry)
+        return _finish(dist.all_reduce(input, group=group, async_op=True), keep_slice, async_op, entry, group)
     entry = _log("reduce_scatter", "reduce", input, tag, group, what)
     works = [dist.reduce(input[a:b], dst=_global(group, r), group=group, async_op=True)
              for r, (a, b) in enumerate(ranges) if b > a]
-    return _finish(Works(works), keep_slice, async_op, entry)
+    return _finish(Works(works), keep_slice, async_op, entry, group)

@@ -8,6 +8,10 @@ path, the others wait inside the backend (gloo's default is 30 minutes) and prin
   micro-step, phase, stage-3 unit, the collective, its tag and size) and its last collectives (the
   flight recorder, a ring buffer like torch's NCCL Flight Recorder), then ends the process with
   exit code 3. It must be `os._exit`: the main thread is blocked in C++ and cannot take an exception.
+- a wait that does not block the host (NCCL) hands the watchdog a probe instead (`track(entry, probe)`,
+  a CUDA event's `query`); the thread polls it and reports the same way when it is still false after
+  `comm_timeout_s` ([Note: waits that do not block the host] in group.py). Which entry has stalled is
+  decided by `find_stalled`, a pure function of the waits, the probes and the clock.
 - `activity` is what the engine is doing, updated at phase boundaries (a few attribute writes per
   step; no collective, no sync). The stage-3 hooks add the unit.
 - `debug_sync` (config `zero_optimization.debug_sync` or `ZERODP_DEBUG_SYNC=1`) exchanges a small hash
@@ -15,8 +19,9 @@ path, the others wait inside the backend (gloo's default is 30 minutes) and prin
   every rank raises `DivergenceError` naming what each rank was about to do. It costs one extra
   collective per collective: a debugging aid, off by default.
 
-The timeout and the recorder are per process (one engine's ranks share them): module state, like
-`comm.record()`'s logs, not configuration of any one engine.
+The recorder and the activity are per process: module state, like `comm.record()`'s logs. The settings
+(timeout, debug_sync, rank) are process-wide too; the Runtime (zerodp/runtime.py) sets them when an engine
+starts (`apply`) and gives the previous ones back when it closes, so two engines do not reset each other's.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 DEFAULT_TIMEOUT_S = 600.0
 EXIT_CODE = 3
@@ -67,7 +72,7 @@ class Entry:
     what: str
     activity: str
     issued_at: float = field(default_factory=time.monotonic)
-    state: str = "issued"   # issued | waiting | done
+    state: str = "issued"   # issued | waiting | in flight (NCCL: on the device after the host's wait) | done
     done_at: Optional[float] = None  # time.monotonic() when the host wait returned (comms_logger's latency)
 
     def describe(self) -> str:
@@ -80,32 +85,52 @@ activity = Activity()
 _recorder: collections.deque[Entry] = collections.deque(maxlen=RECORDER_SIZE)
 _seq = 0
 _waits: dict[int, tuple[float, Entry]] = {}  # thread id -> (since, entry)
+_in_flight: list[tuple[float, Entry, Callable[[], bool]]] = []  # (since, entry, probe): see track()
 _lock = threading.Lock()
-_timeout_s = float(os.environ.get("ZERODP_COMM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-_debug_sync = os.environ.get("ZERODP_DEBUG_SYNC", "") not in ("", "0")
 _thread: Optional[threading.Thread] = None
 _stop = threading.Event()  # set by stop(): the current thread's signal to end
-_rank = int(os.environ.get("RANK", "0"))
 
 
-def configure(timeout_s: Optional[float] = None, debug_sync: Optional[bool] = None,
-              rank: Optional[int] = None) -> None:
-    """Set the timeout (the environment's ZERODP_COMM_TIMEOUT_S wins) and debug_sync (env ORs in)."""
-    global _timeout_s, _debug_sync, _rank
-    if rank is not None:
-        _rank = rank
-    if timeout_s is not None and "ZERODP_COMM_TIMEOUT_S" not in os.environ:
-        _timeout_s = float(timeout_s)
-    if debug_sync is not None:
-        _debug_sync = debug_sync or os.environ.get("ZERODP_DEBUG_SYNC", "") not in ("", "0")
+class Settings(NamedTuple):
+    """The watchdog's process-wide settings."""
+
+    timeout_s: float
+    debug_sync: bool
+    rank: int
+
+    @staticmethod
+    def resolve(timeout_s: Optional[float] = None, debug_sync: Optional[bool] = None,
+                rank: Optional[int] = None) -> "Settings":
+        """Settings from a config's values (None: the default), read with the environment once: its
+        ZERODP_COMM_TIMEOUT_S wins over `timeout_s`, ZERODP_DEBUG_SYNC=1 ORs into `debug_sync`."""
+        env_timeout = os.environ.get("ZERODP_COMM_TIMEOUT_S")
+        if env_timeout is not None:
+            timeout_s = float(env_timeout)
+        env_sync = os.environ.get("ZERODP_DEBUG_SYNC", "") not in ("", "0")
+        return Settings(DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s), bool(debug_sync) or env_sync,
+                        int(os.environ.get("RANK", "0")) if rank is None else rank)
+
+
+_settings = Settings.resolve()
+
+
+def apply(settings: Settings) -> Settings:
+    """Make `settings` the process's (the Runtime's call); returns the ones they replace."""
+    global _settings
+    previous, _settings = _settings, settings
+    return previous
+
+
+def settings() -> Settings:
+    return _settings
 
 
 def timeout_s() -> float:
-    return _timeout_s
+    return _settings.timeout_s
 
 
 def debug_sync_enabled() -> bool:
-    return _debug_sync
+    return _settings.debug_sync
 
 
 def issue(op: str, tag: str, numel: int, dtype, group_name: str, what: str = "") -> Entry:
@@ -139,6 +164,25 @@ def waiting(entry: Optional[Entry]) -> Iterator[None]:
         entry.done_at = time.monotonic()
 
 
+def track(entry: Entry, probe: Callable[[], bool]) -> None:
+    """Watch a collective whose wait returned before it was done: `probe()` turns true when it is
+    ([Note: waits that do not block the host] in group.py)."""
+    _ensure_thread()
+    entry.state = "in flight"  # the host's wait returned; the device has not said it is done
+    with _lock:
+        _in_flight.append((time.monotonic(), entry, probe))
+
+
+def find_stalled(now: float, timeout_s: float, waits: list[tuple[float, Entry]],
+                 in_flight: list[tuple[float, Entry, Callable[[], bool]]]):
+    """(the first stalled (since, entry) or None, the in-flight collectives still not done). A wait is stalled
+    when it has lasted `timeout_s`; a tracked collective when its probe is still false after `timeout_s`."""
+    pending = [item for item in in_flight if not item[2]()]
+    stalled = [(since, e) for since, e in waits if now - since > timeout_s]
+    stalled += [(since, e) for since, e, _ in pending if now - since > timeout_s]
+    return (min(stalled, key=lambda item: item[0]) if stalled else None), pending
+
+
 def recent() -> list[Entry]:
     """The flight recorder's entries, oldest first."""
     with _lock:
@@ -154,6 +198,7 @@ def signature(entry: Entry) -> int:
 
 
 def report(reason: str, rank: int) -> str:
+    """What this rank was doing and its last collectives, ending with how to read several ranks' reports."""
     lines = [f"zerodp rank {rank}: {reason}", f"  doing: {activity.describe()}",
              f"  last {RECORDER_SIZE} collectives of this rank, oldest first:"]
     lines += [f"    {e.describe()}" for e in recent()]
@@ -173,9 +218,12 @@ def _ensure_thread() -> None:
 
 
 def stop() -> None:
-    """End the watchdog thread (engine.close); the next blocking wait starts it again."""
+    """End the watchdog thread and forget tracked collectives (the Runtime's last close); the next wait
+    starts it again."""
     global _thread
     thread, _thread = _thread, None
+    with _lock:
+        _in_flight.clear()
     if thread is not None:
         _stop.set()
         if thread is not threading.current_thread():
@@ -184,13 +232,22 @@ def stop() -> None:
 
 
 def _watch(stop_event: threading.Event) -> None:
-    while not stop_event.wait(min(1.0, max(0.05, _timeout_s / 10))):
-        now = time.monotonic()
+    while not stop_event.wait(min(1.0, max(0.05, _settings.timeout_s / 10))):
+        now, timeout = time.monotonic(), _settings.timeout_s
         with _lock:
-            stalled = [(since, e) for since, e in _waits.values() if now - since > _timeout_s]
-        if stalled:
-            since, entry = stalled[0]
-            sys.stderr.write(report(f"waited {now - since:.0f} s (comm_timeout_s={_timeout_s:g}) in collective "
-                                    f"{entry.describe()}; exiting with code {EXIT_CODE}", _rank) + "\n")
+            waits, in_flight = list(_waits.values()), list(_in_flight)
+        # note: the probes run outside the lock (a CUDA event query each); entries tracked meanwhile are kept
+        found, pending = find_stalled(now, timeout, waits, in_flight)
+        still = {id(item[1]) for item in pending}
+        for _, entry, _ in in_flight:
+            if id(entry) not in still:
+                entry.state = "done"
+        with _lock:
+            _in_flight[:] = pending + _in_flight[len(in_flight):]
+        if found is not None:
+            since, entry = found
+            where = "in collective" if entry.state == "waiting" else "for the device to complete collective"
+            sys.stderr.write(report(f"waited {now - since:.0f} s (comm_timeout_s={timeout:g}) {where} "
+                                    f"{entry.describe()}; exiting with code {EXIT_CODE}", _settings.rank) + "\n")
             sys.stderr.flush()
             os._exit(EXIT_CODE)

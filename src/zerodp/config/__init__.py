@@ -1,5 +1,5 @@
-"""Configuration: pydantic models that accept DeepSpeed's keys (`schema.py`) and VISSL's dialect (translated
-by `zerodp.vissl` before validation).
+"""Configuration: pydantic models that accept DeepSpeed's keys (`schema.py`). VISSL's dialect is translated by
+its adapter (`zerodp.vissl`, `zerodp.integrations.vissl`) before a config is loaded.
 
 `zerodp.config` re-exports everything of `schema.py`, so `from zerodp.config import ZeroConfig, load_config`
 works as it always has.

@@ -3,7 +3,9 @@
 An existing DeepSpeed config works unchanged where its keys mean the same thing here. Every model
 forbids unknown keys, and the error names the key and the closest valid one; every accepted key is
 honoured by the engine (a key zerodp cannot honour yet is refused with a message saying so, never
-silently dropped). VISSL's YAML dialect is translated by `zerodp.vissl` before validation.
+silently dropped). VISSL's YAML dialect is not read here: its adapter translates it before a config is
+loaded (`zerodp.integrations.vissl`, `zerodp.vissl.translate_vissl`), and a VISSL file given here is refused
+with that fix.
 
 Each field's description doubles as the reference documentation (`zerodp.config.reference_markdown`).
 """
@@ -21,12 +23,12 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 from .activation_checkpointing import ActivationCheckpointingConfig
 from .compat import normalize
 from .precision import DTYPE_NAMES, BF16Config, DataTypesConfig, FP16Config, GradDtype, TorchAutocastConfig, dtype_name  # noqa: F401
-from .strict import _NOT_SUPPORTED, StrictModel  # noqa: F401 (_NOT_SUPPORTED: the docs render it)
+from .strict import _NOT_SUPPORTED, StrictModel, refuse_vissl  # noqa: F401 (_NOT_SUPPORTED: the docs render it)
+
 from .offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_stage  # offload tier
 from ..errors import ConfigError
 from .monitor import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig,
                               WandbConfig)  # DeepSpeed's monitoring sections
-from ..vissl import is_vissl, translate_vissl
 
 
 class NonFinitePolicy(str, Enum):
@@ -360,8 +362,7 @@ def load_config(source: Union["ZeroConfig", dict, str, Path, None], auto_values:
         data = dict(source)
     else:
         raise ConfigError(f"config must be a dict, a path or a ZeroConfig, not {type(source).__name__}")
-    if is_vissl(data):
-        data = translate_vissl(data)
+    refuse_vissl(data)  # VISSL's dialect is its adapter's to translate
     data = normalize(_fill_auto(data, auto_values or {}), ConfigError)
     try:
         config = ZeroConfig.model_validate(data)

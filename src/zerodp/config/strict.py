@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from ..errors import ConfigError
 from .compat import known_deepspeed_names
 
 
@@ -54,3 +55,17 @@ class StrictModel(BaseModel):
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
             raise ValueError(f"unknown key '{key}'{hint}")
         return data
+
+
+# VISSL's top-level sections (or its `config:` wrapper): read by the VISSL adapter only, refused here with the fix.
+_VISSL_KEYS = ("config", "OPTIMIZER", "MODEL", "USE_SDP")
+
+
+def refuse_vissl(data: dict) -> None:
+    """One error with the fix for a VISSL file given where zerodp's own config is read."""
+    found = [k for k in _VISSL_KEYS if k in data]
+    if found:
+        raise ConfigError(f"VISSL config: keys {found} are VISSL's dialect, which zerodp's config does not read; "
+                          f"build the engine with engine, schedule = zerodp.integrations.vissl.initialize("
+                          f"zerodp.vissl.load_vissl(path), model, steps_per_epoch=...), or translate the file for "
+                          f"load_config with zerodp.vissl.translate_vissl(path)")

@@ -224,9 +224,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
             raise ConfigError("initialize(mpu=...) without an optimizer: the forward-only engine shards over the whole "
                               "world, not a data-parallel group; pass an optimizer, or build the engine without mpu")
         return ForwardEngine(model, cfg), None, None, None
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")
-    engine = DeepSpeedEngine(zerodp_initialize(model, optimizer, cfg, cast_inputs=_casts_inputs(source), mpu=mpu),
-                             lr_scheduler=lr_scheduler)
+    engine = DeepSpeedEngine(zerodp_initialize(model, optimizer, cfg, cast_inputs=_casts_inputs(source),
+                                               lr_scheduler=lr_scheduler, mpu=mpu))
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler

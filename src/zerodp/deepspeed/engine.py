@@ -25,6 +25,8 @@ import torch
 
 from ..config import ConfigError
 from ..engine import ZeroEngine
+from ..optim.client_schedule import ClientSchedule  # noqa: F401 (zerodp.deepspeed.engine.ClientSchedule, as before)
+from ..checkpoint.tensor_parallel import rank_dir
 from ..tensor_parallel.mpu import mpu_call
 from .utils.timer import ThroughputTimer
 
@@ -32,52 +34,11 @@ from .utils.timer import ThroughputTimer
 ENGINE_OF_PARAM: "weakref.WeakValueDictionary[int, DeepSpeedEngine]" = weakref.WeakValueDictionary()
 
 
-class ClientSchedule:
-    """A scheduler object the user built on their own optimizer: stepped by the engine, its group
-    hyper-parameters (lr, betas, momentum, ...) copied into the engine's optimizer after each step."""
-
-    def __init__(self, scheduler: Any, engine: ZeroEngine) -> None:
-        self.scheduler, self.engine = scheduler, engine
-        self._sync()
-
-    def _sync(self) -> None:
-        source = getattr(self.scheduler, "optimizer", None)
-        inner = self.engine.optimizer
-        if source is None or source is inner.optimizer:
-            return
-        for inner_group, user_index in zip(inner.param_groups, inner.group_indices):
-            inner_group.update({k: v for k, v in source.param_groups[user_index].items() if k != "params"})
-
-    def step(self, *args, **kwargs) -> None:
-        source = getattr(self.scheduler, "optimizer", None)
-        if source is not None and source is not self.engine.optimizer.optimizer:
-            # the user's optimizer never steps (the engine's master-shard copy does), so torch would warn that
-            # the schedule steps before its optimizer; the engine has stepped by now
-            source._opt_called = True
-        self.scheduler.step(*args, **kwargs)
-        self._sync()
-
-    def get_last_lr(self):
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)
-        self._sync()
-
-
 class DeepSpeedEngine:
     """What DeepSpeed training scripts call on the engine `deepspeed.initialize` returns."""
 
-    def __init__(self, engine: ZeroEngine, lr_scheduler: Any = None) -> None:
+    def __init__(self, engine: ZeroEngine) -> None:
         self.engine = engine
-        if lr_scheduler is not None:
-            # a callable is built on the engine's optimizer, as DeepSpeed calls it with its basic optimizer
-            built = lr_scheduler(engine.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(
-                lr_scheduler, "step") else lr_scheduler
-            engine.lr_scheduler = ClientSchedule(built, engine)
         for p in engine.module.parameters():
             ENGINE_OF_PARAM[id(p)] = self
         self.tput_timer = ThroughputTimer(engine.train_batch_size)
@@ -305,7 +266,7 @@ class DeepSpeedEngine:
         from ..checkpoint.format import resolve_tag_dir
 
         if self.engine.mpu is not None:  # this tensor-parallel rank's directory (checkpoint/tensor_parallel.py)
-            load_dir = self.engine.tensor_parallel_dir(load_dir, saved=True)
+            load_dir = rank_dir(self.engine.mpu, load_dir, saved=True)
 
         path = resolve_tag_dir(load_dir, None if tag is None else str(tag))
         client_state = self.engine.load_checkpoint(load_dir, tag=None if tag is None else str(tag),
@@ -317,7 +278,7 @@ class DeepSpeedEngine:
         """Write the whole model's weights in the compute dtype (rank 0); every rank must call it."""
         state = self.engine.full_state_dict(rank0_only=True)
         if self.engine.mpu is not None and not _inside_tp_dir(save_dir):
-            save_dir = self.engine.tensor_parallel_dir(save_dir)  # each tensor-parallel rank writes its own shards
+            save_dir = rank_dir(self.engine.mpu, save_dir)  # each tensor-parallel rank writes its own shards
         if self.engine.rank == 0:
             dtype = {True: torch.float16}.get(self.fp16_enabled(), torch.bfloat16 if self.bfloat16_enabled()
                                               else torch.float32)

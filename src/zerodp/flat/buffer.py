@@ -11,7 +11,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..huge_pages import advise_huge_pages
+from ..host_memory import advise_huge_pages
 from .layout import FlatLayout
 
 # [Note: freeing storage]

@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import ZeroEngine
 from .. import initialize as zerodp_initialize
-from ..optim.vissl_optimizer import VisslLRScheduler, vissl_lr_scheduler, vissl_optimizer
+from .vissl_optimizer import VisslLRScheduler, vissl_lr_scheduler, vissl_optimizer
 from ..vissl import VisslSetup, load_vissl
 
 __all__ = ["initialize", "load_vissl"]
@@ -21,10 +21,11 @@ def initialize(setup: VisslSetup, model: nn.Module, steps_per_epoch: int,
                process_group=None) -> tuple[ZeroEngine, VisslLRScheduler]:
     """`zerodp.initialize` with a VISSL setup; returns (engine, lr schedule to step after each engine step).
 
-    Why a dialect entry exists beside `zerodp.initialize`, which also takes a VISSL file: a VISSL lr
-    schedule is a function of the fraction of training done, so it needs the steps per epoch, which no
-    config file holds, and it steps the param groups of the engine's optimizer, which exist only once
-    the engine does. This function only translates: the engine is built by the one `zerodp.initialize`.
+    The one entry for a VISSL file (`zerodp.initialize` and `load_config` read only zerodp's own,
+    DeepSpeed-style config): the setup is translated here, before the config is loaded. A VISSL lr schedule
+    is a function of the fraction of training done, so it needs the steps per epoch, which no config file
+    holds, and it steps the param groups of the engine's optimizer, which exist only once the engine does.
+    This function only translates: the engine is built by the one `zerodp.initialize`.
     """
     engine = zerodp_initialize(model, vissl_optimizer(setup, model), setup.zero_config, process_group)
     return engine, vissl_lr_scheduler(setup, engine.optimizer, steps_per_epoch)

@@ -11,7 +11,9 @@ Model states of a data-parallel rank with Psi parameters, N ranks, and per-param
 Mixed-precision Adam is (2, 2, 12): 16 Psi bytes unsharded, as in the paper (Rajbhandari et al.,
 SC20, section 3 and Table 1). These are the paper's exact divisions; an implementation pads each
 flat buffer to a multiple of N (and maybe an alignment), so a measured shard can exceed Psi/N by
-a few elements per rank. Pure arithmetic: no torch, no process group.
+a few elements per rank. Pure arithmetic: no torch, no process group. The stage formula itself lives in
+model_states.py, beside the engine's own report (report.py), which compares its measurement against it;
+this module builds the planner's tables and limits on it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol, Sequence
+
+from .model_states import ModelStateBytes, check_stage, predict_model_state_bytes  # noqa: F401 (zerodp.memory's API)
 
 GB = 10**9  # the paper's tables use decimal gigabytes
 
@@ -47,24 +51,6 @@ PRECISIONS: dict[str, tuple[int, int, int]] = {
 }
 
 
-@dataclass(frozen=True)
-class ModelStateBytes:
-    """Bytes of model states held by one rank."""
-
-    params: float
-    grads: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    def __add__(self, other: "ModelStateBytes") -> "ModelStateBytes":
-        return ModelStateBytes(
-            self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer
-        )
-
-
 def whole_tensor_shard_numel(shapes: Sequence[Sequence[int]], world_size: int) -> int:
     """Elements the fullest rank owns when each rank owns whole tensors (Muon, Adafactor), balanced
     greedily by size: at least ceil(Psi / N); the excess is the imbalance that the table's Psi/N
@@ -83,32 +69,6 @@ def precision_bytes(precision: str, optimizer: str = "adam") -> tuple[int, int, 
         raise ValueError(f"unknown optimizer {optimizer!r}; expected {sorted(OPTIMIZER_STATES)}")
     param_bytes, grad_bytes, master_bytes = PRECISIONS[precision]
     return param_bytes, grad_bytes, master_bytes + 4 * OPTIMIZER_STATES[optimizer]
-
-
-def _check_stage(world_size: int, stage: int) -> None:
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-
-
-def predict_model_state_bytes(
-    numel: int,
-    world_size: int,
-    stage: int,
-    *,
-    param_bytes: int,
-    grad_bytes: int,
-    optimizer_bytes: float,
-) -> ModelStateBytes:
-    """Per-rank model-state bytes of ZeRO ``stage`` over ``world_size`` ranks (module formula)."""
-    _check_stage(world_size, stage)
-    n = world_size
-    return ModelStateBytes(
-        params=numel * param_bytes / (n if stage >= 3 else 1),
-        grads=numel * grad_bytes / (n if stage >= 2 else 1),
-        optimizer=numel * optimizer_bytes / (n if stage >= 1 else 1),
-    )
 
 
 def max_model_numel(

@@ -29,7 +29,7 @@ def run_shape_of(config: ZeroConfig, world_size: int, optimizer: str = "adamw", 
     param_bytes, grad_bytes, master_bytes = PRECISIONS["mixed" if mixed else "fp32"]
     opt, par = zero.offload_optimizer, zero.offload_param
     # Device cpu keeps the bytes in host memory, which is the RSS of a CPU rank; it still maps large
-    # buffers on their own (offload/heap.py), so it changes the heap retention, not the tiers.
+    # buffers on their own (host_memory.py), so it changes the heap retention, not the tiers.
     opt_device, par_device = opt.device.value, par.device.value
     return RunShape(
         world_size=world_size, stage=zero.stage, param_bytes=param_bytes, grad_bytes=grad_bytes,

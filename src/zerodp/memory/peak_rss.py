@@ -35,20 +35,20 @@ REDUCTIONS_IN_FLIGHT = 2
 
 # [Note: heap retention] Without offload glibc's mmap threshold is dynamic: after the first large
 # free it rises (up to 32 MiB), and every buffer below it comes from the heap, whose freed holes stay
-# resident (offload/heap.py). Two kinds of buffers leave holes, and RSS keeps them:
+# resident (host_memory.py). Two kinds of buffers leave holes, and RSS keeps them:
 #   - building and stepping the model states allocates and frees unit-sized buffers (init slices,
 #     gathered buffers, shards): on the 201M MLP without offload (2 ranks, fp32 AdamW, stage 3,
 #     bench/offload_init_rss.py none) the peak minus everything else was 13-36% of the model states
 #     in RAM (two runs, two ranks each): HEAP_RETENTION_STATES = 0.25, the middle;
 #   - activations are freed in backward between other buffers; stage 3 trims the heap every 8 steps
-#     (memory/trim.py) but the holes of the steps in between add up. On `make train` (600 steps of the
+#     (host_memory.py) but the holes of the steps in between add up. On `make train` (600 steps of the
 #     small GPT, 67 MiB of activations per micro-batch) the peak minus everything else was 1.05x the
-#     activations in one run (487-489 MiB), 1.5x in another (515-518 MiB, bench/RESULTS.md session 4)
+#     activations in one run (487-489 MiB), 1.5x in another (515-518 MiB, `make train`'s metrics.jsonl in bench/RESULTS.md, "make train RSS")
 #     and 2.3x in the issue's (570-571 MiB); 0.9x after 40 steps: HEAP_RETENTION_ACTIVATIONS = 1.6,
 #     the middle of those runs.
 # Both are fitted on those runs, not derived; the runs are named so that a change that moves them
 # is noticed (bench/estimate_rss.py compares again). With any offload section on (cpu too), zerodp
-# maps buffers of 1 MiB and more on their own (offload/heap.py) and freed ones go back to the
+# maps buffers of 1 MiB and more on their own (host_memory.py) and freed ones go back to the
 # kernel: nothing is added.
 HEAP_RETENTION_STATES = 0.25
 HEAP_RETENTION_ACTIVATIONS = 1.6
@@ -102,7 +102,7 @@ class RunShape:
 
     @property
     def maps_large_buffers(self) -> bool:
-        """Any offload section on (cpu included): the engine fixes glibc's mmap threshold (offload/heap.py)."""
+        """Any offload section on (cpu included): the engine fixes glibc's mmap threshold (host_memory.py)."""
         return self.optimizer_offload != "none" or self.param_offload != "none"
 
 

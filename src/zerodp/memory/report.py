@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import psutil
 
 from ..optim.inner import members, state_numel_per_param, streamed_state_names, whole_tensor_state_numel
-from .formulas import ModelStateBytes, predict_model_state_bytes
+from .model_states import ModelStateBytes, predict_model_state_bytes
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def measure_memory(engine) -> MemoryReport:
         predicted = ModelStateBytes(elem * shard_numel, grad_elem * shard_numel, predicted.optimizer)
     disk = disk_predicted = 0
     if engine.optimizer.offload is not None:  # offload: the elementwise state's host part, and disk bytes
-        from ..offload.estimate import offload_report_bytes
+        from ..offload.footprint import offload_report_bytes
 
         if whole or len(k_values) > 1:
             optimizer_predicted, disk_predicted = _offload_by_member(engine, units, user_members, master)
@@ -109,7 +109,7 @@ def measure_memory(engine) -> MemoryReport:
         disk = engine.optimizer.offload.disk_bytes()
     shards = engine.sharding.param_offload()
     if shards is not None:  # offload_param: at most max_in_cpu elements of this rank's shard stay in memory
-        from ..offload.estimate import param_offload_report_bytes
+        from ..offload.footprint import param_offload_report_bytes
 
         params_predicted, param_disk_predicted = param_offload_report_bytes(engine, numel, elem, shards.limit_numel)
         predicted = ModelStateBytes(params_predicted, predicted.grads, predicted.optimizer)
@@ -132,7 +132,7 @@ def _offload_by_member(engine, units, user_members, master: int) -> tuple[float,
     tensors; the store keeps one region per streamed state name over the whole stream (with Muon +
     AdamW: momentum_buffer, exp_avg, exp_avg_sq). Resident: separate masters, and whole-tensor state
     of another shape (Adafactor's row and column moments)."""
-    from ..offload.estimate import offload_report_bytes
+    from ..offload.footprint import offload_report_bytes
 
     stream, names, resident, largest = 0, set(), 0, 0
     for u in units:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..libc import libc_function
+from ..host_memory import libc_function
 from .file_io import DONE, FileIO, IOHandle
 from .run_dir import RankDir
 

@@ -23,7 +23,7 @@ from ..config import ConfigError, ZeroConfig
 from ..optim.inner import SHARD_AWARE, state_numel_per_param
 from ..optim.larc import LARC
 from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
-from .heap import map_large_buffers
+from ..host_memory import map_large_buffers
 from ..placement import HOST, Placement, placement_of
 from ..precision import PrecisionPolicy
 from ..config.offload import DEFAULT_SUB_GROUP_SIZE, OffloadDevice, ignored_settings

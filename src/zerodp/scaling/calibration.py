@@ -21,18 +21,19 @@ class Measured:
     step_s: dict
 
 
-# bench/RESULTS.md, session 4, "Step time, drift-free" (zerodp bench --interleaved --steps 18): every
-# strategy in one process pair, stepped in turn, so machine drift hits them alike.
+# `zerodp bench --interleaved --steps 18 --out bench/results/session4-interleaved` (the results file
+# bench/results/session4-interleaved/RESULTS.md): every strategy in one process pair, stepped in turn, so
+# machine drift hits them alike.
 MEASURED = Measured(
-    "bench/RESULTS.md, session 4 interleaved table (`zerodp bench --interleaved --steps 18`), zerodp0-3.",
+    "`zerodp bench --interleaved --steps 18`: bench/results/session4-interleaved/RESULTS.md, zerodp0-3.",
     {0: 1.461, 1: 1.412, 2: 1.439, 3: 1.600})
-# The per-process tables of the same sessions (one torchrun job per strategy and round): noisier, the
+# The per-process tables of the same code (one torchrun job per strategy and round): noisier, the
 # machine's speed drifts between jobs (bench/RESULTS.md gives per-round ratios that disagree by more
 # than the strategies do). Shown beside the calibration, not used by it.
 OTHER_MEASUREMENTS = (
-    Measured("bench/RESULTS.md session 4 per-process table (`zerodp bench --steps 12 --rounds 4`)",
+    Measured("`zerodp bench --steps 12 --rounds 4`: bench/results/session4-stages/RESULTS.md",
              {0: 1.428, 1: 1.465, 2: 1.502, 3: 1.755}),
-    Measured("bench/RESULTS.md session 3 table (`zerodp bench --steps 12 --rounds 2`)",
+    Measured("`zerodp bench --steps 12 --rounds 2`: bench/results/session3/RESULTS.md (earlier code)",
              {0: 1.589, 1: 1.501, 2: 1.610, 3: 1.822}),
 )
 BENCH_WORKLOAD = Workload(BENCH_GPT, tokens_per_rank=4 * 128, comm_bytes=4)

@@ -20,7 +20,7 @@ fraction of peak the kernels of one transformer step reach when nothing waits fo
 Overlap: `overlap` is the fraction of a collective that hides behind compute when the schedule
 allows it to (predictor.py applies the rule). GPU collectives run on their own stream and copy
 engines / SMs: 1.0. On the calibration machine gloo needs the same core as the matmuls: the
-measured 5-10% (baselines.md section 2, overlap.py), 0.08.
+measured 5-10% (bench/results/calibration_machine.md), 0.08.
 """
 
 from __future__ import annotations
@@ -87,12 +87,12 @@ def dgx2_v100(node_gbit: float) -> ClusterSpec:
         description=f"DGX-2: 16 x V100 32GB on NVSwitch, {node_gbit:g} Gb/s InfiniBand per node")
 
 
-# The calibration machine (bench/RESULTS.md, /work/shared/research/baselines.md section 2): 2 ranks,
-# one thread each, gloo over loopback, fp32. peak = the measured 1-thread fp32 matmul rate
-# (102.9 GFLOP/s, bw.py); compute_efficiency = the single-process step's fwd+bwd (2.18 s for
-# 1024 tokens of 182.5 MFLOP, baselines.md 3c) over that peak; link = zerodp's pairwise gloo
+# The calibration machine (its measurements and the commands that made them: bench/results/calibration_machine.md):
+# 2 ranks, one thread each, gloo over loopback, fp32. peak = the measured 1-thread fp32 matmul rate
+# (102.9 GFLOP/s); compute_efficiency = the single-process step's fwd+bwd (2.18 s for
+# 1024 tokens of 182.5 MFLOP) over that peak; link = zerodp's pairwise gloo
 # exchange (comm/pairwise.py: 12/24 MiB gathered in 6-7/11-14 ms: each rank sends half at ~1.0 GB/s),
-# latency from the 1 MiB all-gather (0.60 ms for 0.52 MB sent); overlap 0.08 (overlap.py: 5-10%);
+# latency from the 1 MiB all-gather (0.60 ms for 0.52 MB sent); overlap 0.08 (5-10% hidden);
 # optimizer = zerodp's chunked step over torch's default AdamW, 0.250 s per 100M (bench/RESULTS.md).
 LOCAL_GLOO = ClusterSpec(
     "local-gloo", gpus_per_node=2, peak_tflops=0.1029,

@@ -69,7 +69,7 @@ def block_calibration() -> str:
              *(f"{o.step_s[s]:.3f} ({p.step_s / o.step_s[s] - 1:+.0%})" for o in OTHER_MEASUREMENTS))
             for s, m, p in calibration_rows()]
     head = ("zerodp", "measured s", "predicted s", "error", "compute s", "exposed comm s", "optimizer s",
-            "paper volume MiB (2 x sent)", "session 4 per-process (error)", "session 3 (error)")
+            "paper volume MiB (2 x sent)", "per process, --rounds 4 (error)", "earlier code, --rounds 2 (error)")
     notes = "\n".join(f"- {o.source}" for o in (MEASURED, *OTHER_MEASUREMENTS))
     return cluster_line(LOCAL_GLOO) + "\n\n" + markdown_table(head, rows) + "\n\nMeasured (in column order):\n" + notes
 

@@ -127,7 +127,7 @@ LLAMA_70B = TransformerShape("llama-70b", layers=80, hidden=8192, heads=64, kv_h
                              vocab=32000, seq_len=4096)
 LLAMA3_8B = TransformerShape("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
                              vocab=128256, seq_len=8192)
-# The benchmark GPT of bench/ and /work/shared/research/baselines.md: 33,674,240 parameters.
+# The benchmark GPT of bench/ (bench/harness/models.py): 33,674,240 parameters.
 BENCH_GPT = TransformerShape("bench-gpt", layers=8, hidden=512, heads=8, ffn_hidden=2048, vocab=8192,
                              seq_len=128, gelu_mlp=True, learned_positions=True)
 

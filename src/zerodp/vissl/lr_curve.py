@@ -1,6 +1,6 @@
 """VISSL's learning-rate schedules (`OPTIMIZER.param_schedulers.lr`) as curves: the lr as a function of `where`.
 
-A curve is pure arithmetic (no optimizer, no torch); `optim.vissl_optimizer.VisslLRScheduler` applies it to
+A curve is pure arithmetic (no optimizer, no torch); `integrations.vissl_optimizer.VisslLRScheduler` applies it to
 an optimizer's param groups once per optimizer step.
 
 VISSL evaluates a schedule at `where`, the fraction of training done, in [0, 1):

@@ -2,7 +2,7 @@
 resolved result (`resolve.resolve` builds it; `translate.load_vissl` is the entry point).
 
 A setup is data: what needs a model or an optimizer (VISSL's param groups, its optimizer, the lr scheduler
-stepping param groups) is built from it in `optim/vissl_optimizer.py`; an engine, by
+stepping param groups) is built from it in `integrations/vissl_optimizer.py`; an engine, by
 `zerodp.integrations.vissl.initialize`.
 """
 
@@ -53,7 +53,7 @@ class VisslSetup:
     """A VISSL config resolved for zerodp: the DeepSpeed-style config plus what needs the model."""
 
     zero_config: dict
-    optimizer: dict            # name, hyper-parameters, LARC, regularization (built by optim/vissl_optimizer.py)
+    optimizer: dict            # name, hyper-parameters, LARC, regularization (built by integrations/vissl_optimizer.py)
     lr_schedule_spec: dict     # OPTIMIZER.param_schedulers.lr after VISSL's auto LR scaling
     num_epochs: int
     update_interval: str

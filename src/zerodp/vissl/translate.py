@@ -100,11 +100,12 @@ def load_vissl(sources: Union[Source, list], overrides: Iterable[str] = (), quie
     return setup
 
 
-def translate_vissl(data: dict) -> dict:
-    """The DeepSpeed-style dict for `load_config` (which has no model): the optimizer section holds one
-    param group at the schedule's first learning rate. `zerodp.initialize(model, None, vissl_file)` and
-    `zerodp.integrations.vissl.initialize(load_vissl(...), model, steps_per_epoch)` build VISSL's param groups and schedule instead."""
-    setup = load_vissl(data, quiet=True)
+def translate_vissl(sources: Union[Source, list], overrides: Iterable[str] = ()) -> dict:
+    """VISSL file(s) or mapping as the DeepSpeed-style dict `load_config` reads (it reads no VISSL itself):
+    the optimizer section holds one param group at the schedule's first learning rate.
+    `zerodp.integrations.vissl.initialize(load_vissl(...), model, steps_per_epoch)` builds VISSL's param groups
+    and schedule instead."""
+    setup = load_vissl(sources, overrides, quiet=True)
     out = copy.deepcopy(setup.zero_config)
     opt = setup.optimizer
     params: dict[str, Any] = {"lr": setup.schedule_value(0.0)}
@@ -117,29 +118,3 @@ def translate_vissl(data: dict) -> dict:
         params["larc"] = dict(opt["larc"])
     out["optimizer"] = {"type": opt["name"], "params": params}
     return out
-
-
-def vissl_setup_of(config: Any) -> tuple[Optional[VisslSetup], Any]:
-    """For `zerodp.initialize(model, None, config)`: when `config` is a VISSL file or mapping, return
-    (its resolved setup, the zero config), the optimizer being `optim.vissl_optimizer.vissl_optimizer`'s; otherwise
-    (None, config) unchanged. A VISSL schedule that is not constant needs the steps per epoch, so it is
-    refused here with the fix."""
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        if path.suffix not in (".yaml", ".yml") or not path.exists():
-            return None, config
-        import yaml
-
-        raw = yaml.safe_load(path.read_text())
-    elif isinstance(config, dict):
-        raw = config
-    else:
-        return None, config
-    if not isinstance(raw, dict) or not is_vissl(raw):
-        return None, config
-    setup = load_vissl(raw)
-    if setup.lr_schedule_spec["name"] != "constant":
-        raise ConfigError(f"VISSL config: the learning rate follows a '{setup.lr_schedule_spec['name']}' schedule, "
-                          f"which needs the steps per epoch: use engine, schedule = zerodp.integrations.vissl."
-                          f"initialize(zerodp.vissl.load_vissl(path), model, steps_per_epoch=...) and call schedule.step() after engine.step()")
-    return setup, setup.zero_config

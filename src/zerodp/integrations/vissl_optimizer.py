@@ -1,6 +1,6 @@
-"""VISSL's optimizer, rebuilt over a plain PyTorch model from a resolved `zerodp.vissl.VisslSetup`: the runtime
-half of VISSL's dialect (param groups, SGD/Adam(W) with LARC, the lr scheduler over param groups), which
-needs a model or an optimizer and so sits here, with the optimizer, not in the pure translation.
+"""VISSL's optimizer, rebuilt over a plain PyTorch model from a resolved `zerodp.vissl.VisslSetup`: the half
+of VISSL's dialect that needs a model or an optimizer (param groups, SGD/Adam(W) with LARC, the lr scheduler
+over param groups), so it sits in the adapter, beside its entry (vissl.py), not in the pure translation.
 
 VISSL's default param-group rule, per module:
     Linear / Conv            weight: regularized; bias: regularized iff regularize_bias
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..vissl import VisslSetup, vissl_setup_of
+from ..optim.larc import LARC
+from ..vissl import VisslSetup
 from ..vissl.lr_curve import WHERE_EPSILON, LRCurve, build_lr_curve
-from .larc import LARC
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm)
@@ -91,13 +91,6 @@ def vissl_optimizer(setup: VisslSetup, model: nn.Module):
     """The optimizer VISSL builds for a resolved `VisslSetup`: VISSL's param groups, SGD/Adam(W),
     LARC around SGD if use_larc, at the schedule's learning rate at epoch 0."""
     return build_vissl_optimizer(model, setup.optimizer, lr=setup.schedule_value(0.0))
-
-
-def vissl_initialize_args(model: nn.Module, config):
-    """For `zerodp.initialize(model, None, config)`: (VISSL's optimizer, the zero config) when `config` is a VISSL
-    file or mapping; otherwise (None, config) unchanged (`zerodp.vissl.vissl_setup_of`)."""
-    setup, config = vissl_setup_of(config)
-    return (vissl_optimizer(setup, model) if setup is not None else None), config
 
 
 def vissl_lr_scheduler(setup: VisslSetup, optimizer, steps_per_epoch: int) -> "VisslLRScheduler":
