@@ -186,7 +186,8 @@ def test_tp2_dp2_equals_unsharded(dist_run):
         assert set(params) >= set(ref_params)
         if opt_name == "sgd":  # the update is lr * clipped gradient: rtol 1e-5 of the value, 1e-6 near zero
             for key, ref in ref_params.items():
-                torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} stage {stage} {key}: {m}")
+                torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{kind} stage {stage} {key}: {m}")
         else:
             assert_adam_params_close(params, ref_params, 1e-2, STEPS, where=f"{kind} stage {stage}")
 

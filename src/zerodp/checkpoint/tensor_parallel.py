@@ -4,7 +4,8 @@ Each tensor-parallel rank's model is its own model (its shards of the sharded pa
 replicated ones), trained by ZeRO over its data-parallel group; so each writes an ordinary zerodp
 checkpoint, of its data-parallel ranks' files, in a directory of its own:
 
-    SAVE_DIR/tp-00-of-02/<tag>/...   tensor-parallel rank 0: shard-<dp rank>-of-<dp size>.safetensors, rng-<dp rank>.json
+    SAVE_DIR/tp-00-of-02/<tag>/...   tensor-parallel rank 0: shard-<dp rank>-of-<dp size>.safetensors,
+                                     rng-<dp rank>.json, ...
     SAVE_DIR/tp-01-of-02/<tag>/...   tensor-parallel rank 1
     SAVE_DIR/tensor_parallel.json    the size and which parameters are sharded, how (written by world rank 0)
 

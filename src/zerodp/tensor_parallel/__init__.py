@@ -7,7 +7,8 @@ sharded and how: slicing and merging). Depends on torch only: zerodp.models buil
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .layout import ShardSpec, merge_shards, merge_state_dicts, shard_tensor, sharded_parameter_ids, tensor_parallel_specs
+from .layout import (ShardSpec, merge_shards, merge_state_dicts, shard_tensor, sharded_parameter_ids,
+                     tensor_parallel_specs)
 from .mappings import (copy_to_tensor_parallel, gather_from_tensor_parallel, reduce_from_tensor_parallel,
                        scatter_to_tensor_parallel)
 from .mpu import ModelParallelUnit
