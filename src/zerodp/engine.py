@@ -25,6 +25,7 @@ from . import activations, comm
 from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
+from .checkpoint.tensor_parallel import rank_dir as tp_rank_dir, save_per_rank as tp_save
 from .comm import watchdog
 from .config import ConfigError, ZeroConfig, load_config
 from .config.auto import resolve_auto
@@ -39,6 +40,7 @@ from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
 from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
+from .optim.model_parallel import data_parallel_group, model_parallel_norm
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .placement import model_device, placement_of
 from .precision import LossScaler, PrecisionPolicy, cast_floats
@@ -57,12 +59,13 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig,
                  process_group: comm.ProcessGroup = None, cast_inputs: bool = True, *, lr_scheduler: Any = None,
-                 lease: Optional[Lease] = None) -> None:
+                 lease: Optional[Lease] = None, mpu: Any = None) -> None:
         if lr_scheduler is not None and config.scheduler is not None:
             raise ConfigError("a lr_scheduler was passed and the config has a 'scheduler' section; keep one")
         self.module = model
         self.config = config
-        self.process_group = process_group
+        self.mpu = mpu  # Megatron's: ZeRO shards over its data-parallel group; norms and overflow span both groups
+        self.process_group = process_group = data_parallel_group(mpu, process_group)
         self.rank = comm.get_rank(process_group)
         self.world_size = comm.get_world_size(process_group)
         # process-wide settings (watchdog, real collectives, default group, allocator): runtime.py; close() gives back
@@ -120,7 +123,7 @@ class ZeroEngine:
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            placement=self.placement)
+            placement=self.placement, model_parallel=model_parallel_norm(mpu, model))
         # DeepSpeed's `scheduler` section or the caller's own schedule, stepped after every optimizer step taken
         self._lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)
@@ -329,13 +332,17 @@ class ZeroEngine:
         """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path."""
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        def save(root):
+            return save_checkpoint(self, root, tag=tag, client_state=client_state)
+        return save(save_dir) if self.mpu is None else tp_save(self.mpu, self.rank, self.module, save_dir, save)
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
         `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
+        if self.mpu is not None:  # each tensor-parallel rank reads its own directory (checkpoint/tensor_parallel.py)
+            load_dir = tp_rank_dir(self.mpu, load_dir, saved=True)
         resumed = read_checkpoint(self, load_dir, tag=tag, load_lr_scheduler=load_lr_scheduler)
         self.scaler.load_state_dict(resumed.loss_scaler)
         if resumed.lr_scheduler is not None and self.lr_scheduler is not None:
@@ -395,21 +402,23 @@ def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroCon
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
                process_group: comm.ProcessGroup = None, *, cast_inputs: bool = True,
-               lr_scheduler: Any = None) -> ZeroEngine:
+               lr_scheduler: Any = None, mpu: Any = None) -> ZeroEngine:
     """Wrap `model` for ZeRO training as `config` says (README's quick start). The one place an engine is built:
     the DeepSpeed and VISSL entries translate and call this. `optimizer=None`: the config's `optimizer` section
     builds it (an error says so where there is none). `cast_inputs=False`: inputs keep their dtype.
     `lr_scheduler`: a schedule over `optimizer` (or a callable building one on the engine's optimizer),
-    stepped after every optimizer step taken, instead of a config `scheduler` section."""
+    stepped after every optimizer step taken, instead of a config `scheduler` section. `mpu`: Megatron's model-
+    parallel unit of a tensor-parallel model: ZeRO shards over its data-parallel group (optim/model_parallel.py)."""
     config = load_config(config)
     if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
         activations.PROCESS.adopt(config.activation_checkpointing)
     comm.init_distributed(RUNTIME.backend_timeout_s(config))
-    lease = RUNTIME.lease(config, comm.get_rank(process_group), process_group)
+    group = process_group if mpu is None else data_parallel_group(mpu, process_group)  # what ZeRO shards over
+    lease = RUNTIME.lease(config, comm.get_rank(group), group)
     try:
-        place_module(model, process_group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
+        place_module(model, group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
         return ZeroEngine(model, optimizer, config, process_group, cast_inputs, lr_scheduler=lr_scheduler,
-                          lease=lease)
+                          lease=lease, mpu=mpu)
     except BaseException:
         lease.close()  # an engine that failed to build holds nothing of the process
         raise

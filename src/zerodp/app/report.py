@@ -90,8 +90,11 @@ def render_summary(run: dict, ranks: list[dict]) -> str:
     `peak_cuda_bytes_predicted`: printed in the peak column as "RSS; CUDA peak measured / predicted"); `run` holds the
     figures named below (None where a figure does not exist, e.g. no checkpoint).
     """
-    lines = [f"zerodp train summary: stage {run['stage']}, {run['world_size']} rank(s), model {run['model']} "
-             f"({run['numel']:,} parameters), {run['precision']}, steps {run['first_step']}..{run['last_step']}",
+    tp = run.get("tensor_parallel", 1)  # --tp: each rank holds 1/tp of the sharded matrices (numel is per rank)
+    layout = f" = tensor-parallel {tp} x data-parallel {run['world_size'] // tp}" if tp > 1 else ""
+    lines = [f"zerodp train summary: stage {run['stage']}, {run['world_size']} rank(s){layout}, model {run['model']} "
+             f"({run['numel']:,} parameters{' per rank' if tp > 1 else ''}), {run['precision']}, "
+             f"steps {run['first_step']}..{run['last_step']}",
              "",
              "model states per rank, measured / predicted by the ZeRO formula (memory.predict_model_state_bytes):",
              "| rank | parameters | gradients | optimizer states | total | peak RSS |",

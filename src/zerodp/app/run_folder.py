@@ -103,4 +103,7 @@ class CheckpointRotation:
         """Record a committed checkpoint and remove this launch's ones beyond the newest `keep`."""
         self.saved.append(Path(path).name)
         while len(self.saved) > self.keep:
-            shutil.rmtree(self.ckpt_dir / self.saved.pop(0), ignore_errors=True)
+            old = self.saved.pop(0)
+            # with --tp each tensor-parallel rank keeps its checkpoints in a tp-XX-of-YY folder of its own
+            for folder in [self.ckpt_dir, *self.ckpt_dir.glob("tp-*-of-*")]:
+                shutil.rmtree(folder / old, ignore_errors=True)

@@ -37,6 +37,8 @@ from . import run_folder
 from .corpus import ByteCorpus
 from .device import predicted_peak_cuda_bytes, rank_device, sample_generator
 from ..models.gpt import GPT, MODEL_PRESETS, lm_loss
+from ..models.tp_gpt import TensorParallelGPT, tp_lm_loss
+from ..tensor_parallel import ModelParallelUnit, seed_model_parallel
 from .train_args import TrainArgs, under_torchrun
 from .report import MetricsLog, activation_report, format_log_line, plot_loss, read_metrics, render_summary
 
@@ -116,12 +118,12 @@ def evaluate(engine, corpus: ByteCorpus, args: TrainArgs) -> float:
     eval() + no_grad: at stage 3 each unit is gathered by the first batch only and kept for the
     others (stage3/inference_cache.py); engine.train() at the end releases them."""
     engine.eval()
-    rank, world = comm.get_rank(), comm.get_world_size()
     total = 0.0
-    for i in range(VAL_BATCHES):
-        x, y = corpus.batch(i, rank, world, engine.micro_batch_size, args.seq_len, split="val", seed=args.seed)
+    for i in range(VAL_BATCHES):  # engine.rank / world_size: the data-parallel ones (with --tp, copies of the model)
+        x, y = corpus.batch(i, engine.rank, engine.world_size, engine.micro_batch_size, args.seq_len, split="val",
+                            seed=args.seed)
         x, y = x.to(_device()), y.to(_device())
-        total += float(lm_loss(engine(x), y))
+        total += float(_loss(engine, engine(x), y))
     engine.train()
     return _mean_over_ranks(total / VAL_BATCHES)
 
@@ -146,12 +148,23 @@ def _save_checkpoint(engine, args: TrainArgs, step: int) -> tuple[Optional[str],
     return str(path), ""
 
 
+def _loss(engine, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss; with --tp from this rank's vocabulary slice (vocab-parallel cross entropy)."""
+    if engine.mpu is None:
+        return lm_loss(logits, targets)
+    return tp_lm_loss(logits, targets, engine.mpu.get_tensor_model_parallel_group())
+
+
 def _banner(engine, args: TrainArgs, world: int, numel: int, base_lr: float) -> str:
-    tokens = world * engine.micro_batch_size * engine.gradient_accumulation_steps * args.seq_len
-    return (f"zerodp train: stage {engine.stage}, {world} rank(s) x {torch.get_num_threads()} thread(s), "
-            f"model {args.model} ({numel:,} parameters), {args.precision}, micro-batch {engine.micro_batch_size}"
-            f" x seq {args.seq_len} x accumulation {engine.gradient_accumulation_steps} x {world} rank(s) = "
-            f"{tokens:,} tokens/step, {args.steps} steps, peak lr {base_lr:g}, out {args.out}")
+    copies = engine.world_size  # data-parallel: with --tp, world / tp copies of the model
+    tokens = copies * engine.micro_batch_size * engine.gradient_accumulation_steps * args.seq_len
+    tp = f" = tensor-parallel {args.tp} x data-parallel {copies}" if args.tp > 1 else ""
+    per = " per tensor-parallel rank" if args.tp > 1 else ""
+    return (f"zerodp train: stage {engine.stage}, {world} rank(s){tp} x {torch.get_num_threads()} thread(s), "
+            f"model {args.model} ({numel:,} parameters{per}), {args.precision}, micro-batch "
+            f"{engine.micro_batch_size} x seq {args.seq_len} x accumulation {engine.gradient_accumulation_steps} x "
+            f"{copies} cop{'y' if copies == 1 else 'ies'} = {tokens:,} tokens/step, {args.steps} steps, peak lr "
+            f"{base_lr:g}, out {args.out}")
 
 
 def run_worker(args: TrainArgs) -> dict:
@@ -176,14 +189,25 @@ def _run_worker(args: TrainArgs) -> dict:
     out = Path(args.out)
 
     torch.manual_seed(args.seed)
-    model = GPT(MODEL_PRESETS[args.model], seed=args.seed).to(_device())
-    engine = zerodp.initialize(model, _build_optimizer(model, args), args.config)
+    mpu = None if args.tp == 1 else ModelParallelUnit(args.tp)  # --tp: Megatron's cut (docs/tensor_parallel.md)
+    if mpu is None:
+        model = GPT(MODEL_PRESETS[args.model], seed=args.seed).to(_device())
+    else:  # attention dropout forks the process's tracker, which a checkpointed block's recompute restores
+        model = TensorParallelGPT(MODEL_PRESETS[args.model], mpu, rng=zerodp.activations.PROCESS.tracker,
+                                  seed=args.seed).to(_device())
+    engine = zerodp.initialize(model, _build_optimizer(model, args), args.config, mpu=mpu)
+    if mpu is not None:
+        if "activation_checkpointing" in args.config:  # partitioned over the tensor-parallel group, if asked
+            zerodp.deepspeed.checkpointing.configure(mpu, deepspeed_config=args.config)
+        seed_model_parallel(zerodp.activations.PROCESS.tracker, args.seed, mpu.get_tensor_model_parallel_rank())
     if "activation_checkpointing" in args.config:  # --checkpoint-activations, or the config's section
         model.checkpoint_fn = zerodp.activations.checkpoint  # as the section configured it (in initialize)
     try:
         return _train(engine, args, model, out, rank, world, wall_start)
     finally:
         engine.close()  # hooks, communicators, I/O threads, offload files: see ZeroEngine.close
+        if mpu is not None:
+            mpu.destroy()
 
 
 def _train(engine, args: TrainArgs, model, out: Path, rank: int, world: int, wall_start: float) -> dict:
@@ -221,7 +245,8 @@ def train_steps(engine, corpus: ByteCorpus, args: TrainArgs, start_step: int, ba
 
     rank, world = comm.get_rank(), comm.get_world_size()
     metrics = MetricsLog(Path(args.out)) if rank == 0 else None
-    tokens_per_step = world * engine.micro_batch_size * engine.gradient_accumulation_steps * args.seq_len
+    # engine.world_size: the data-parallel copies (with --tp, world / tp of them see distinct data)
+    tokens_per_step = engine.world_size * engine.micro_batch_size * engine.gradient_accumulation_steps * args.seq_len
     # The bar is for a terminal; in a pipe or a log file the log lines carry the same figures.
     bar = tqdm(total=args.steps, initial=start_step, disable=rank != 0 or not sys.stderr.isatty(), unit="step",
                dynamic_ncols=True, mininterval=0.5, desc="train")
@@ -236,9 +261,9 @@ def train_steps(engine, corpus: ByteCorpus, args: TrainArgs, start_step: int, ba
         t0 = time.perf_counter()
         loss_sum = 0.0
         for micro in range(engine.gradient_accumulation_steps):
-            x, y = corpus.batch(step, rank, world, engine.micro_batch_size, args.seq_len, micro_step=micro,
-                                seed=args.seed)
-            loss = lm_loss(engine(x.to(_device())), y.to(_device()))
+            x, y = corpus.batch(step, engine.rank, engine.world_size, engine.micro_batch_size, args.seq_len,
+                                micro_step=micro, seed=args.seed)
+            loss = _loss(engine, engine(x.to(_device())), y.to(_device()))
             engine.backward(loss)
             engine.step()
             loss_sum += float(loss.detach())
@@ -272,11 +297,13 @@ def _finish(engine, corpus: ByteCorpus, args: TrainArgs, history: list[dict], nu
     """Memory report, checkpoint, validation, sample (every rank, in this order), then rank 0's summary."""
     rank, world, out = comm.get_rank(), comm.get_world_size(), Path(args.out)
     report = engine.memory_report().as_dict()
+    report["rank"] = rank  # the world's rank (with --tp the engine's rank is the data-parallel one)
     # Stage-3 units small enough to stay whole on every rank (the formula assumes everything sharded).
     report["persistent_param_bytes"] = sum(u.param_bytes() for u in engine.units if getattr(u, "persistent", False))
     if torch.cuda.is_available():  # the training steps' peak, before validation and the sample gather more
         report["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
-        report["peak_cuda_bytes_predicted"] = predicted_peak_cuda_bytes(args.model, engine.config, world, args.seq_len)
+        report["peak_cuda_bytes_predicted"] = None if args.tp > 1 else \
+            predicted_peak_cuda_bytes(args.model, engine.config, world, args.seq_len)  # the formula knows no --tp
     checkpoint, checkpoint_note = _save_checkpoint(engine, args, args.steps)
     val_loss = evaluate(engine, corpus, args)
     sample = sample_text(engine, args)
@@ -290,7 +317,7 @@ def _finish(engine, corpus: ByteCorpus, args: TrainArgs, history: list[dict], nu
                                 f"GPT {args.model}")
     timed = history[1:] or history  # the first step of a launch includes one-off warm-up
     window = min(10, len(history))
-    run = {"stage": engine.stage, "world_size": world, "model": args.model, "numel": numel,
+    run = {"stage": engine.stage, "world_size": world, "tensor_parallel": args.tp, "model": args.model, "numel": numel,
            "precision": args.precision, "first_step": history[0]["step"], "last_step": args.steps,
            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
            "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),

@@ -48,6 +48,7 @@ class TrainArgs:
     resume_tag: Optional[str] = None   # its tag (None: the one `latest` names)
     save_every: int = DEFAULT_SAVE_EVERY   # checkpoint every K steps (0: only at the end)
     max_restarts: int = 0          # the elastic agent restarts every rank this often after a failure
+    tp: int = 1                    # tensor-parallel size: ranks per model copy (docs/tensor_parallel.md)
 
 
 
@@ -129,7 +130,10 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else pick("nproc", default_nproc(gpus))
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
-    validated.resolve_batch(nproc)  # raises ConfigError when the batch keys disagree with the world size
+    tp = pick("tp", 1)
+    if tp < 1 or nproc % tp:
+        raise UsageError(f"--tp {tp} must be at least 1 and divide --nproc {nproc}; pick a divisor of {nproc}")
+    validated.resolve_batch(nproc // tp)  # ConfigError when the batch keys disagree with the data-parallel size
     if gpus and not under_torchrun() and nproc > gpus:
         raise UsageError(f"--nproc {nproc} is more than the {gpus} GPU(s); with CUDA each rank needs its own GPU")
     if validated.optimizer is not None:
@@ -149,7 +153,10 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     model = pick("model", "small")
     if model not in MODEL_PRESETS:
         raise UsageError(f"unknown model '{model}'; choose one of {', '.join(MODEL_PRESETS)}")
-    block = MODEL_PRESETS[model].block_size
+    block, heads = MODEL_PRESETS[model].block_size, MODEL_PRESETS[model].n_head
+    if heads % tp or MODEL_PRESETS[model].vocab_size % tp:
+        raise UsageError(f"--tp {tp} must divide the {model} model's {heads} heads and "
+                         f"{MODEL_PRESETS[model].vocab_size}-token vocabulary")
     seq_len = pick("seq_len", block)
     if not 1 <= seq_len <= block:
         raise UsageError(f"--seq-len {seq_len} is outside 1..{block}, the {model} model's block_size")
@@ -161,8 +168,11 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     save_every, max_restarts = pick("save_every", DEFAULT_SAVE_EVERY), opts.get("max_restarts") or 0
     if save_every < 0 or max_restarts < 0:
         raise UsageError(f"--save-every and --max-restarts must be at least 0, got {save_every} and {max_restarts}")
+    if tp > 1 and max_restarts:
+        raise UsageError("--max-restarts with --tp is not supported (a restart reads the plain checkpoint layout); "
+                         "resume with --resume instead")
     if resume_dir is not None:
-        _check_resumable(resume_dir, opts.get("tag"))
+        _check_resumable(resume_dir, opts.get("tag"), tp)
     elif opts.get("tag") is not None:
         raise UsageError("--tag names the checkpoint to resume from; it needs --resume DIR")
 
@@ -183,15 +193,21 @@ def resolve_train_args(opts: dict) -> TrainArgs:
                      log_every=log_every, out=out, precision=_precision_of(validated.model_dump()),
                      config=validated.model_dump(exclude_unset=True),
                      resume=None if resume_dir is None else str(resume_dir), resume_tag=opts.get("tag"),
-                     save_every=save_every, max_restarts=max_restarts)
+                     save_every=save_every, max_restarts=max_restarts, tp=tp)
 
 
-def _check_resumable(ckpt_dir: Path, tag: Optional[str]) -> None:
+def _check_resumable(ckpt_dir: Path, tag: Optional[str], tp: int = 1) -> None:
     """Find and read the checkpoint's metadata now, so that a bad --resume/--tag is one line, not a rank failure."""
     from ..checkpoint.format import read_meta, resolve_tag_dir
     from ..errors import CheckpointError
 
+    from ..checkpoint.tensor_parallel import saved_tp_size, tp_dir
+
     try:
-        read_meta(resolve_tag_dir(ckpt_dir, tag))
+        saved_tp = saved_tp_size(ckpt_dir) if ckpt_dir.is_dir() else None
+        if (saved_tp or 1) != tp:
+            raise CheckpointError(f"it was saved at tensor-parallel size {saved_tp or 1}; resume with --tp "
+                                  f"{saved_tp or 1} (the data-parallel size may differ)")
+        read_meta(resolve_tag_dir(ckpt_dir if saved_tp is None else tp_dir(ckpt_dir, 0, saved_tp), tag))
     except CheckpointError as err:
         raise UsageError(f"--resume {ckpt_dir}: {err}") from None

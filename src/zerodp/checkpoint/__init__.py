@@ -10,9 +10,11 @@
 """
 
 from ..errors import CheckpointError
-from .consolidate import consolidate_checkpoint, consolidate_main, full_state_dict, save_consolidated
+from .consolidate import (consolidate_checkpoint, consolidate_main, consolidate_tensor_parallel, full_state_dict,
+                          save_consolidated)
 from .param_values import GRAD, MASTER, whole_param_value
 from .save_load import Resumed, read_checkpoint, save_checkpoint
 
-__all__ = ["save_checkpoint", "read_checkpoint", "Resumed", "full_state_dict", "consolidate_checkpoint", "save_consolidated",
-           "consolidate_main", "CheckpointError", "whole_param_value", "MASTER", "GRAD"]
+__all__ = ["save_checkpoint", "read_checkpoint", "Resumed", "full_state_dict", "consolidate_checkpoint",
+           "consolidate_tensor_parallel", "save_consolidated", "consolidate_main", "CheckpointError",
+           "whole_param_value", "MASTER", "GRAD"]

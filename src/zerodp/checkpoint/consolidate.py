@@ -21,7 +21,7 @@ import os
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -32,6 +32,8 @@ from ..seams import CheckpointEngine
 from . import format as fmt
 from .hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf, export_safetensors_file
 from .state import canonical_names, describe_tensors, sharded_units
+from .tensor_parallel import read_layout, saved_tp_size, tp_dir
+from ..tensor_parallel.layout import ShardSpec, merge_state_dicts
 
 
 def consolidate_checkpoint(ckpt_dir, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
@@ -51,6 +53,19 @@ def consolidate_checkpoint(ckpt_dir, tag: Optional[str] = None) -> dict[str, tor
 
 
 FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+
+
+def consolidate_tensor_parallel(root, specs: Optional[Mapping[str, ShardSpec]] = None,
+                                tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The unsharded fp32 state dict of checkpoint `tag` saved under `root` by every tensor-parallel rank,
+    merged by `specs` ({name: ShardSpec}; default: the layout recorded at save time). Holds every tensor-parallel
+    rank's state dict in memory at once."""
+    size = saved_tp_size(root)
+    if size is None:
+        raise CheckpointError(f"{root} has no tensor-parallel checkpoint (tp-XX-of-YY directories)")
+    specs = read_layout(root) if specs is None else specs
+    per_rank = [consolidate_checkpoint(tp_dir(root, t, size), tag) for t in range(size)]
+    return merge_state_dicts(per_rank, specs)
 
 
 def output_layout(out_path) -> str:
@@ -78,6 +93,12 @@ def save_consolidated(ckpt_dir, out_path, tag: Optional[str] = None, max_shard_s
     state dict in memory. Returns `out_path`.
     """
     layout = output_layout(out_path)
+    if saved_tp_size(ckpt_dir) is not None:  # per tensor-parallel rank: merged into the unsharded model
+        if layout == "hf" or max_shard_size is not None or config_json is not None:
+            raise CheckpointError(f"{ckpt_dir} holds a tensor-parallel checkpoint, merged into one file: name OUT "
+                                  f"*.safetensors or *.pt (no folder layout, shard size or config)")
+        write_state_dict(consolidate_tensor_parallel(ckpt_dir, tag=tag), out_path)
+        return Path(out_path)
     if layout != "hf" and (max_shard_size is not None or config_json is not None):
         raise CheckpointError(f"a shard size and a model config apply to a folder output; {out_path} is a file "
                               f"(drop the suffix to get the Hugging Face layout)")

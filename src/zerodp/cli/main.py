@@ -29,7 +29,7 @@ STAGE_NAMES = {0: "baseline DP (nothing sharded)", 1: "Pos (optimizer states)", 
                3: "Pos+g+p (+ parameters)"}
 TRAIN_OPTIONS = ("config", "stage", "nproc", "steps", "model", "micro_batch", "seq_len", "lr", "precision",
                  "resume", "out", "log_every", "seed", "save_every", "max_restarts", "overwrite", "tag",
-                 "checkpoint_activations")
+                 "checkpoint_activations", "tp")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,6 +120,9 @@ def _add_train(sub) -> None:
                    f"the newest 2 (default {DEFAULT_SAVE_EVERY}; 0: only at the end)")
     p.add_argument("--max-restarts", type=int, metavar="N", help="when a rank dies, restart every rank up to N "
                    "times from the newest checkpoint (torch's elastic agent; default 0)")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size: N consecutive ranks hold one copy of "
+                   "the model, each 1/N of its heads, MLP width and vocabulary (Megatron's cut), and ZeRO shards over "
+                   "the nproc/N copies; the summary shows each rank's share (default 1; docs/tensor_parallel.md)")
     p.add_argument("--checkpoint-activations", action="store_true", default=None, help="checkpoint every "
                    "block's activations (recomputed in backward), kept as the config's activation_checkpointing "
                    "section says (which also switches this on); the summary shows the activation memory")

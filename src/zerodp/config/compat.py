@@ -152,7 +152,9 @@ NO_EFFECT: dict[str, NoEffect] = {
                         and not v.get("deepcompile", False) and not v.get("enabled", False),
                         "DeepSpeed's compile integration is not implemented; call torch.compile on the model"),
     "tensor_parallel": NoEffect("tensor-parallel size 1 is none", lambda v: isinstance(v, dict) and
-                                v.get("autotp_size", 1) in (0, 1), "tensor parallelism is not implemented in zerodp"),
+                                v.get("autotp_size", 1) in (0, 1),
+                                "automatic tensor parallelism (AutoTP) is not implemented in zerodp; build the model "
+                                "from zerodp.tensor_parallel's layers and pass mpu= to initialize"),
 }
 
 # Keys whose feature zerodp lacks whatever their value.

@@ -205,8 +205,6 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         raise TypeError(f"zerodp.deepspeed.initialize does not take {sorted(unsupported)}")
     if model is None:
         raise ValueError("initialize needs model=<torch.nn.Module>")
-    if mpu is not None:
-        raise ConfigError("mpu (model parallelism) is not supported by zerodp; zerodp is data parallel only")
     if dist_init_required is False and not torch.distributed.is_initialized() and "RANK" in os.environ:
         # DeepSpeed refuses this too; zerodp.initialize would create the group the caller said not to create
         raise ConfigError("initialize(dist_init_required=False) under torchrun, but torch.distributed is not "
@@ -239,8 +237,12 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         if lr_scheduler is not None or cfg.scheduler is not None or training_data is not None:
             raise ConfigError("initialize got a learning-rate schedule or training_data but no optimizer; pass "
                               "optimizer=... or an 'optimizer' config section, or drop them for a forward-only engine")
+        if mpu is not None:
+            raise ConfigError("initialize(mpu=...) without an optimizer: the forward-only engine shards over the whole "
+                              "world, not a data-parallel group; pass an optimizer, or build the engine without mpu")
         return ForwardEngine(model, cfg), None, None, None
     engine = DeepSpeedEngine(zerodp_initialize(model, optimizer, cfg, cast_inputs=_casts_inputs(source),
-                                               lr_scheduler=lr_scheduler), config=source, client_optimizer=optimizer)
+                                               lr_scheduler=lr_scheduler, mpu=mpu), config=source,
+                             client_optimizer=optimizer)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler

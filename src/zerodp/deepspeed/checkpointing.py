@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from ..activations import PROCESS, RNGStatesTracker, seed_model_parallel
 from ..activations.process_checkpointer import checkpoint, non_reentrant_checkpoint
-from ..activations.rng_tracker import MODEL_PARALLEL_SEED_OFFSET, manual_seed
+from ..tensor_parallel.random import MODEL_PARALLEL_SEED_OFFSET, manual_seed
 from ..config.activation_checkpointing import ActivationCheckpointingConfig
 from ..errors import ConfigError
 

@@ -28,6 +28,8 @@ from ..engine import ZeroEngine
 from ..optim.client_schedule import ClientSchedule  # noqa: F401 (zerodp.deepspeed.engine.ClientSchedule, as before)
 from .consolidated_weights import ConsolidatedWeights
 from .checkpoint_files import write_deepspeed_files
+from ..checkpoint.tensor_parallel import rank_dir
+from ..tensor_parallel.mpu import mpu_call
 from .utils.timer import ThroughputTimer
 from .zero_optimizer import ZeroOptimizer
 
@@ -135,7 +137,8 @@ class DeepSpeedEngine(ConsolidatedWeights):
 
     @property
     def global_rank(self) -> int:
-        return self.engine.rank
+        # with an mpu the engine's rank is its data-parallel rank; DeepSpeed's global_rank is the world's
+        return self.engine.rank if self.engine.mpu is None else torch.distributed.get_rank()
 
     @property
     def local_rank(self) -> int:
@@ -145,11 +148,15 @@ class DeepSpeedEngine(ConsolidatedWeights):
 
     @property
     def world_size(self) -> int:
-        return self.engine.world_size
+        return self.engine.world_size if self.engine.mpu is None else torch.distributed.get_world_size()
 
     @property
     def dp_world_size(self) -> int:
         return self.engine.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1 if self.engine.mpu is None else mpu_call(self.engine.mpu, "get_model_parallel_world_size")
 
     @property
     def device(self) -> torch.device:
@@ -254,7 +261,7 @@ class DeepSpeedEngine(ConsolidatedWeights):
         """A DataLoader of micro-batches: each rank reads its own part of `dataset` (DistributedSampler)."""
         from torch.utils.data import DataLoader, DistributedSampler
 
-        sampler = data_sampler or DistributedSampler(dataset, num_replicas=self.world_size, rank=self.global_rank)
+        sampler = data_sampler or DistributedSampler(dataset, num_replicas=self.dp_world_size, rank=self.engine.rank)
         return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), sampler=sampler,
                           collate_fn=collate_fn, drop_last=self.engine.config.dataloader_drop_last,
                           pin_memory=pin_memory and torch.cuda.is_available(), num_workers=num_local_io_workers or 0)
@@ -287,6 +294,9 @@ class DeepSpeedEngine(ConsolidatedWeights):
                               "load the weights with zerodp.consolidate_checkpoint(path) and model.load_state_dict")
         from ..checkpoint.format import resolve_tag_dir
 
+        if self.engine.mpu is not None:  # this tensor-parallel rank's directory (checkpoint/tensor_parallel.py)
+            load_dir = rank_dir(self.engine.mpu, load_dir, saved=True)
+
         path = resolve_tag_dir(load_dir, None if tag is None else str(tag))
         client_state = self.engine.load_checkpoint(load_dir, tag=None if tag is None else str(tag),
                                                    load_lr_scheduler=load_lr_scheduler_states)
@@ -309,7 +319,9 @@ class DeepSpeedEngine(ConsolidatedWeights):
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the whole model's weights in the compute dtype (rank 0); every rank must call it."""
         state = self.engine.full_state_dict(rank0_only=True)
-        if self.global_rank == 0:
+        if self.engine.mpu is not None and not _inside_tp_dir(save_dir):
+            save_dir = rank_dir(self.engine.mpu, save_dir)  # each tensor-parallel rank writes its own shards
+        if self.engine.rank == 0:
             dtype = {True: torch.float16}.get(self.fp16_enabled(), torch.bfloat16 if self.bfloat16_enabled()
                                               else torch.float32)
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -327,3 +339,8 @@ class DeepSpeedEngine(ConsolidatedWeights):
 
         barrier(self.engine.process_group)
         return True
+
+
+def _inside_tp_dir(path) -> bool:
+    """True for a path inside a tensor-parallel rank's checkpoint directory (save_checkpoint's tag path)."""
+    return any(part.startswith("tp-") and "-of-" in part for part in Path(path).parts)

@@ -58,7 +58,9 @@ class Init(_Switchable):
                                   f"zero_optimization.offload_param.device is {configured!r}; set offload_param "
                                   f"to {{\"device\": \"{remote_device}\", ...}} in the config (zerodp reads it there)")
             self.config = load_config(self.config)
-        self.group = data_parallel_group
+        # with Megatron's mpu, stage 3 shards over its data-parallel group (as zerodp.deepspeed.initialize(mpu=) does)
+        self.group = data_parallel_group if data_parallel_group is not None or mpu is None \
+            else mpu.get_data_parallel_group()
         self._ctx = None
 
     def _open(self):

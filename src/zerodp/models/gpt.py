@@ -129,19 +129,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Re-draw every parameter in ``named_parameters()`` order (tied weights once)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, param in self.named_parameters():
-            if name.startswith("ln") or ".ln_" in name:
-                if name.endswith("weight"):
-                    param.fill_(1.0)
-                else:
-                    param.zero_()
-            elif name.endswith("bias"):
-                param.zero_()
-            elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
-                param.normal_(0.0, residual_std, generator=generator)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+            init_parameter(name, param, self.config.n_layer, generator)
 
     def num_parameters(self) -> int:
         """Number of parameter elements, counting a tied weight once."""
@@ -171,20 +160,43 @@ class GPT(nn.Module):
         The context is cropped to the last ``block_size`` tokens. ``temperature <= 0`` means
         greedy decoding; ``top_k`` keeps only the k most likely tokens before sampling.
         """
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits = self(context)[:, -1, :].float()
-            if temperature <= 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                next_token = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, next_token.to(idx.dtype)], dim=1)
-        return idx
+        return sample_tokens(self, idx, self.config.block_size, max_new_tokens, temperature, top_k, generator)
+
+
+@torch.no_grad()
+def sample_tokens(logits_of, idx: torch.Tensor, block_size: int, max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """GPT.generate's loop over any `logits_of(context) -> (B, T, vocab)` (models/tp_gpt.py gathers its slices)."""
+    for _ in range(max_new_tokens):
+        context = idx[:, -block_size:]
+        logits = logits_of(context)[:, -1, :].float()
+        if temperature <= 0:
+            next_token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            next_token = torch.multinomial(probs, 1, generator=generator)
+        idx = torch.cat([idx, next_token.to(idx.dtype)], dim=1)
+    return idx
+
+
+@torch.no_grad()
+def init_parameter(name: str, param: torch.Tensor, n_layer: int, generator: torch.Generator | None = None) -> None:
+    """GPT-2's initial value of parameter `name` (see GPT), drawn in place; models/tp_gpt.py draws with it too."""
+    if name.startswith("ln") or ".ln_" in name:
+        if name.endswith("weight"):
+            param.fill_(1.0)
+        else:
+            param.zero_()
+    elif name.endswith("bias"):
+        param.zero_()
+    elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+        param.normal_(0.0, 0.02 / math.sqrt(2 * n_layer), generator=generator)
+    else:
+        param.normal_(0.0, 0.02, generator=generator)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

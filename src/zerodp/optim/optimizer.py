@@ -54,6 +54,7 @@ from ..placement import Placement, placement_for_precision
 from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
 from .inner import rebuild_kept
+from .model_parallel import ModelParallelNorm
 from .checkpoint_state import CheckpointStateAccess
 from .shared_groups import share_param_groups
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
@@ -76,8 +77,9 @@ class ShardedOptimizer(CheckpointStateAccess):
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
                  sharded: bool, gradient_clipping: float, offload=None,
-                 placement: Optional[Placement] = None) -> None:
+                 placement: Optional[Placement] = None, model_parallel: Optional[ModelParallelNorm] = None) -> None:
         self.units = units
+        self.model_parallel = model_parallel  # tensor parallelism beside ZeRO: its norm rule (model_parallel.py)
         self.precision = precision
         self.scaler = scaler
         self.process_group = process_group
@@ -162,9 +164,13 @@ class ShardedOptimizer(CheckpointStateAccess):
     def _overflow(self) -> bool:
         local = any(not bool(torch.isfinite(u.grad_shard).all()) for u in self.units)
         # note: a sync point; every rank must agree before anyone steps
-        return comm.all_reduce_max_flag(local, self.process_group, tag="control")
+        overflow = comm.all_reduce_max_flag(local, self.process_group, tag="control")
+        return overflow if self.model_parallel is None else self.model_parallel.any_overflow(overflow)
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        if self.model_parallel is not None:  # sharded parameters summed over tensor-parallel ranks, others once
+            sq = self.model_parallel.square_norms(self.units, grads)
+            return math.sqrt(self.model_parallel.global_norm_squared(sq, self.process_group, self.sharded))
         sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
         for unit, g in zip(self.units, grads):
             # the unit's own shard: its norm (an offloaded shard's is kept from its delivery, not read)
