@@ -99,9 +99,12 @@ class GradShard:
             raise AssertionError(f"gradient shard {name}: a persistent full buffer cannot mix reduction dtypes "
                                  f"(buckets are split by reduction dtype)")
         self._pending_low: Optional[PendingReduce] = None  # the split's low-dtype reduction in flight
-        # parameters whose gradient was written into the full buffer since it was allocated; None: every
-        # element holds a value (the persistent buffer, or after `_fill_unwritten`)
-        self._written: Optional[set[int]] = None
+        # [Note: hook cost] `add_grad` runs once per parameter per backward, inside autograd's AccumulateGrad
+        # node: its per-parameter flags are bytearrays (a tensor element write is a dispatcher call, microseconds)
+        # and the full buffer's per-parameter views are made once (FlatBuffer.views).
+        # Parameters whose gradient was written into the full buffer since it was allocated (1 per parameter);
+        # None: every element holds a value (the persistent buffer, or after `_fill_unwritten`)
+        self._written: Optional[bytearray] = None
         self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
         if keep_full:
             self.shard = self.full.shard(shard_index)
@@ -109,8 +112,9 @@ class GradShard:
             free_storage(self.full.tensor)  # allocated per round, see _ensure_full
             self.shard = torch.zeros(layout.shard_size(shard_index), dtype=accum_dtype, device=first.device)
         self.state = GradState.IDLE
-        self.reported: set[int] = set()                               # parameters heard from this round
-        self.received = torch.zeros(len(params), dtype=torch.bool)   # ... since the last optimizer step
+        self._reported = bytearray(len(params))  # 1: the parameter was heard from this round
+        self._num_reported = 0
+        self._received = bytearray(len(params))  # 1: ... since the last optimizer step
         self.rounds_launched = 0                                      # reductions launched this micro-step
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
         self._pending: Optional[PendingReduce] = None
@@ -147,7 +151,16 @@ class GradShard:
     @property
     def complete(self) -> bool:
         """Every parameter reported a gradient in this round."""
-        return len(self.reported) == len(self.params)
+        return self._num_reported == len(self.params)
+
+    @property
+    def received(self) -> torch.Tensor:
+        """Per parameter (bool): got a gradient since the last optimizer step (or zero_grad)."""
+        return torch.tensor(list(self._received), dtype=torch.bool)
+
+    def _clear_reported(self) -> None:
+        self._reported = bytearray(len(self.params))
+        self._num_reported = 0
 
     @property
     def nbytes(self) -> int:
@@ -164,15 +177,15 @@ class GradShard:
         backward, bench/results/big_offload_step.md)."""
         if not self.keep_full and self.full.nbytes == 0:
             alloc_storage(self.full.tensor, self.layout.padded_numel)
-            self._written = set()
+            self._written = bytearray(len(self.params))
 
     def _fill_unwritten(self) -> None:
         """Zero the full buffer's parameters that no gradient wrote since it was allocated, and its padding."""
         if self._written is None:
             return
-        for index in range(len(self.params)):
-            if index not in self._written:
-                self.full.view(index).zero_()
+        for view, written in zip(self.full.views(), self._written):
+            if not written:
+                view.zero_()
         self.full.zero_padding()
         self._written = None
 
@@ -183,27 +196,33 @@ class GradShard:
             # The persistent buffer holds the reduced sums: keep our slice aside, restart from zeros.
             self._stash = self.shard.clone()
             self.full.tensor.zero_()
-        self.reported.clear()
+        self._clear_reported()
 
     def add_grad(self, index: int) -> None:
-        """Move parameter `index`'s fresh `.grad` into the full buffer (called from its hook)."""
+        """Move parameter `index`'s fresh `.grad` into the full buffer (called from its hook; see
+        [Note: hook cost]: the common case, FILLING, is a few attribute reads and one copy or add)."""
         p = self.params[index]
-        if p.grad is None:
+        grad = p.grad
+        if grad is None:
             return
-        if self.state in (GradState.REDUCING, GradState.REDUCED):
-            self._open_round()  # a late gradient: finish the round in flight, then open another one
-        self._ensure_full()
+        if self.state is not GradState.FILLING:  # FILLING: the full buffer is allocated
+            if self.state is GradState.REDUCING or self.state is GradState.REDUCED:
+                self._open_round()  # a late gradient: finish the round in flight, then open another one
+            self._ensure_full()
+            self._to(GradState.FILLING)
         # In the buffer's dtype: a bf16 gradient is added exactly into an fp32 buffer (type promotion); the
         # first one since the buffer was allocated is copied (the same value as adding it to zeros)
-        if self._written is not None and index not in self._written:
-            self.full.view(index).copy_(p.grad)
-            self._written.add(index)
+        written = self._written
+        if written is not None and not written[index]:
+            self.full.views()[index].copy_(grad)
+            written[index] = 1
         else:
-            self.full.view(index).add_(p.grad)
+            self.full.views()[index].add_(grad)
         p.grad = None  # the shard holds it now; dropping .grad is what frees the per-parameter copy
-        self.reported.add(index)
-        self.received[index] = True
-        self._to(GradState.FILLING)
+        if not self._reported[index]:
+            self._reported[index] = 1
+            self._num_reported += 1
+        self._received[index] = 1
 
     def launch(self, async_op: bool = True) -> None:
         """Start this round's reduction (every rank must call it, in the same order)."""
@@ -261,7 +280,7 @@ class GradShard:
         if self.state is GradState.REDUCING:
             raise RuntimeError(f"zerodp: gradient shard {self.name or '?'} still reducing at the start of a "
                                f"backward (the previous backward did not finish)")
-        self.reported.clear()
+        self._clear_reported()
         self.rounds_launched = 0
         if self.state is not GradState.FILLING:
             self._to(GradState.IDLE)
@@ -278,8 +297,8 @@ class GradShard:
         else:
             self.shard.zero_()
             free_storage(self.full.tensor)
-        self.received.zero_()
-        self.reported.clear()
+        self._received = bytearray(len(self.params))
+        self._clear_reported()
         self.rounds_launched = 0
         self._stash = None
         self.state = GradState.IDLE  # from any state: nothing is in flight after wait()

@@ -51,13 +51,17 @@ class GradReducer:
         return self.policy.reduces_every_micro_step
 
     def _make_hook(self, bucket: GradBucket, index: int):
+        grads = bucket.grads
+
         def hook(param: torch.Tensor) -> None:
+            # runs once per parameter per backward ([Note: hook cost] in flat/grad_shard.py): keep it short
             if not self.in_backward:
                 param.grad = None  # discarded: it would otherwise be added silently into the next step
                 raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
                                    "discarded; call engine.backward(loss) instead of loss.backward()")
-            bucket.grads.add_grad(index)
-            if self.reducing_this_micro_step:
+            grads.add_grad(index)
+            # only a bucket that is now complete can let the queue launch anything (it launches in order)
+            if grads.complete and self.reducing_this_micro_step:
                 self.queue.launch_ready()
         return hook
 
