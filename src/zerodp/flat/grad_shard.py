@@ -1,8 +1,10 @@
 """The gradient life cycle of one flat buffer of parameters, the same at every stage: `GradShard`.
 
 A stage 0-2 gradient bucket and a stage-3 flat unit both hold one `GradShard`. As backward produces
-each parameter's gradient (a post-accumulate-grad hook), `add_grad` moves it into the flat full
-buffer and drops the parameter's own `.grad`. A reduction (`launch`, then `wait`) sums the full
+each parameter's gradient (a post-accumulate-grad hook, built by `make_hook`), `add_grad` moves it
+into the flat full buffer and drops the parameter's own `.grad`; where the full buffer persists in the
+parameters' dtype (stages 0-1), autograd accumulates straight into it instead ([Note: gradients as
+buffer views]). A reduction (`launch`, then `wait`) sums the full
 buffer over ranks, divides by the number of ranks and leaves this rank's slice in `shard`; the dtypes
 and divisors are a `flat.grad_arithmetic.GradArithmetic`:
 
@@ -106,6 +108,7 @@ class GradShard:
         # None: every element holds a value (the persistent buffer, or after `_fill_unwritten`)
         self._written: Optional[bytearray] = None
         self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
+        self.full.views()  # made now, while the storage exists (a view of a freed storage cannot be made)
         if keep_full:
             self.shard = self.full.shard(shard_index)
         else:
@@ -119,6 +122,13 @@ class GradShard:
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
         self._pending: Optional[PendingReduce] = None
         self.home = home if not keep_full else None  # where `shard` lives between uses, or None: in memory
+        # [Note: gradients as buffer views] Where the persistent full buffer has the parameters' dtype, each
+        # parameter's .grad is its view of the buffer during a backward (as DDP's gradient_as_bucket_view):
+        # autograd's AccumulateGrad adds into it in place (`grad += new`, the same add `add_grad` did) and
+        # the hook only marks it. Detached (.grad = None) when the round's reduction launches, so that a
+        # late gradient takes `add_grad`'s path (a new round) instead of landing in a buffer being reduced,
+        # and after every backward, so that a stray loss.backward() is refused before it adds anything.
+        self.grad_views = keep_full and self.split is None and all(p.dtype == self.full.dtype for p in params)
         self._sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
         if self.home is not None:
             self.home.adopt(self.shard, zeros=True)
@@ -205,6 +215,11 @@ class GradShard:
         grad = p.grad
         if grad is None:
             return
+        if self.grad_views and grad is self.full.views()[index]:  # accumulated in place (attach_grad_views)
+            if self.state is not GradState.FILLING:
+                self._to(GradState.FILLING)  # attached only while IDLE or FILLING: never during a reduction
+            self._mark(index)
+            return
         if self.state is not GradState.FILLING:  # FILLING: the full buffer is allocated
             if self.state is GradState.REDUCING or self.state is GradState.REDUCED:
                 self._open_round()  # a late gradient: finish the round in flight, then open another one
@@ -219,13 +234,74 @@ class GradShard:
         else:
             self.full.views()[index].add_(grad)
         p.grad = None  # the shard holds it now; dropping .grad is what frees the per-parameter copy
+        self._mark(index)
+
+    def make_hook(self, index: int, gate, on_complete: Callable[[], None]) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of parameter `index` ([Note: hook cost]): refuse a gradient unless
+        `gate.in_backward`, take it in (`add_grad`), and call `on_complete` when this round's last parameter
+        reports. Its common cases (FILLING: the gradient accumulated into its buffer view, or one copy or add)
+        run inline, without further Python calls: it runs once per parameter per backward."""
+        view = self.full.views()[index]
+        count = len(self.params)
+        filling = GradState.FILLING
+        views = self.grad_views
+
+        def hook(param: torch.Tensor) -> None:
+            if not gate.in_backward:
+                param.grad = None  # discarded: it would otherwise be added silently into the next step
+                raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
+                                   "discarded; call engine.backward(loss) instead of loss.backward()")
+            grad = param.grad
+            if grad is None:
+                return
+            if self.state is not filling:
+                self.add_grad(index)  # a state transition: the general path, which marks the parameter itself
+                if self._num_reported == count:
+                    on_complete()
+                return
+            if views and grad is view:
+                pass  # autograd added it in place
+            else:
+                written = self._written
+                if written is not None and not written[index]:
+                    view.copy_(grad)
+                    written[index] = 1
+                else:
+                    view.add_(grad)
+                param.grad = None
+            reported = self._reported
+            if not reported[index]:
+                reported[index] = 1
+                self._num_reported += 1
+                if self._num_reported == count:
+                    on_complete()
+            self._received[index] = 1
+        return hook
+
+    def _mark(self, index: int) -> None:
         if not self._reported[index]:
             self._reported[index] = 1
             self._num_reported += 1
         self._received[index] = 1
 
+    def attach_grad_views(self) -> None:
+        """Before a backward: each parameter without a .grad gets its view of the full buffer as .grad
+        ([Note: gradients as buffer views]); nothing where the buffer cannot be one or is being reduced."""
+        if self.grad_views and self.state in (GradState.IDLE, GradState.FILLING):
+            for p, view in zip(self.params, self.full.views()):
+                if p.grad is None:
+                    p.grad = view
+
+    def detach_grad_views(self) -> None:
+        """Take the buffer views back from the parameters' .grad (their values stay in the buffer)."""
+        if self.grad_views:
+            for p, view in zip(self.params, self.full.views()):
+                if p.grad is view:
+                    p.grad = None
+
     def launch(self, async_op: bool = True) -> None:
         """Start this round's reduction (every rank must call it, in the same order)."""
+        self.detach_grad_views()  # from now on a gradient must not land in the buffer being reduced
         if self.state is GradState.REDUCED:
             self._open_round()  # another rank needs a further round; ours adds nothing new
         self._ensure_full()  # a rank without gradients takes part with zeros
@@ -284,6 +360,7 @@ class GradShard:
         self.rounds_launched = 0
         if self.state is not GradState.FILLING:
             self._to(GradState.IDLE)
+        self.attach_grad_views()
 
     def zero_grad(self) -> None:
         """Forget gradients after an optimizer step (or a skipped one)."""
