@@ -51,6 +51,8 @@ from ..flat.grad_shard import square_norm
 from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
 from .inner import rebuild_kept
+from .step_kernel import master_group_settings
+from .transient_grads import TransientGradSteps
 from .checkpoint_state import CheckpointStateAccess
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
 
@@ -65,7 +67,7 @@ class StepOutcome(Enum):
     NONFINITE = auto()    # bf16/fp32: the global gradient norm is NaN/Inf; nothing was written (nonfinite.py)
 
 
-class ShardedOptimizer(CheckpointStateAccess):
+class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
     """Steps this rank's shards; see the module docstring for the order of one step."""
 
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
@@ -95,7 +97,9 @@ class ShardedOptimizer(CheckpointStateAccess):
         for unit in units:
             self.param_offsets.append(self.param_offsets[-1] + len(unit.layout.shapes))
         self._unit_of_chunk = {id(c): i for i, chunks in enumerate(self.chunks) for c in chunks}
-        groups = [dict(settings, params=[]) for settings in group_settings]
+        # fused on CUDA masters, unchanged elsewhere (optim/step_kernel.py); offloaded state steps on the CPU
+        device = self.masters[0].device if self.masters and offload is None else torch.device("cpu")
+        groups = [dict(settings, params=[]) for settings in master_group_settings(user_optimizer, group_settings, device)]
         for unit, chunks in zip(units, self.chunks):
             groups[unit.group_index]["params"].extend(chunks)
         # The user's group index of each inner group. Groups without trainable parameters are dropped;
@@ -183,8 +187,10 @@ class ShardedOptimizer(CheckpointStateAccess):
             self.last_grad_norm = None
             return StepOutcome.OVERFLOW
         grads = []
+        transient = self.transient_grads_apply()  # [Note: fp32 gradients at the step] (transient_grads.py)
         for unit, master in zip(self.units, self.masters):
-            g = unit.grad_shard if unit.grad_shard.dtype == master.dtype else unit.grad_shard.to(master.dtype)
+            same = transient or unit.grad_shard.dtype == master.dtype
+            g = unit.grad_shard if same else unit.grad_shard.to(master.dtype)
             if self.scaler.scale != 1.0:
                 g = g.div(self.scaler.scale) if g is unit.grad_shard else g.div_(self.scaler.scale)
             grads.append(g)
@@ -200,12 +206,14 @@ class ShardedOptimizer(CheckpointStateAccess):
             if coef < 1.0:
                 self._clip = coef  # offloaded gradient shards are scaled as they are bound (_bind_grads)
                 for unit, g in zip(self.units, grads):
-                    if not unit.grad_offloaded:
+                    if not unit.grad_offloaded and not transient:
                         g.mul_(coef)
         for index, (unit, g) in enumerate(zip(self.units, grads)):
-            if not unit.grad_offloaded:  # offloaded ones are bound per part of the step (_step_resident)
+            if not unit.grad_offloaded and not transient:  # offloaded ones are bound per part of the step
                 self._bind_grads(index, g, received)
-        if self.offload is None and not self.params_offloaded:
+        if transient:
+            self.step_transient(received)
+        elif self.offload is None and not self.params_offloaded:
             self._step_chunks(received, None)
         elif self.offload is None:  # offload_param: one unit's shard in memory at a time
             for index, chunks in enumerate(self.chunks):
