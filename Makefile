@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-slow test-fast test-gpu gpu-wheels lock bench bench-offload clean
+.PHONY: setup train test test-slow test-fast test-gpu gpu-wheels lock bench bench-offload bench-gpu clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,14 @@ $(BENCH_VENV)/.installed:
 
 bench: $(BENCH_VENV)/.installed
 	OMP_NUM_THREADS=1 $(BENCH_VENV)/bin/python -m bench.harness
+
+# One GPU (issue 32): DDP, FSDP2, zerodp stages 1-3, CPU offload (zerodp, FSDP2), DeepSpeed where importable, at 254M and
+# 1.3B, bf16; s/step, tokens/s, TFLOPS and peak CUDA bytes to bench/results/gpu_bench-<device>.md, about 5 minutes on an
+# H100. Each run is its own process importing zerodp from src/ (GPU_PY: a python with torch and pydantic). On a
+# machine without a GPU, `$(BIN)/python -m bench.gpu_bench --tiny` runs every strategy on a tiny GPT instead.
+GPU_PY ?= python3
+bench-gpu:
+	$(GPU_PY) -m bench.gpu_bench
 
 clean:
 	rm -rf $(VENV) runs

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from . import host_profile
 from .models import BENCH_MODELS
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the harness is not part of the installed package
@@ -300,6 +301,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--interleaved", action="store_true",
                     help="step time only: every strategy in one pair of processes, stepped in turn, so that "
                          "machine drift cannot skew the ratios (bench/interleaved.py); --steps per strategy")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="the CPU proxy of host overhead: self CPU per step of a deep narrow GPT under torch.profiler "
+                         "(host_profile.py); results to bench/results/host_profile.md unless --results")
+    host_profile.add_arguments(ap)
 
 
 def main(argv=None) -> int:
@@ -313,7 +318,12 @@ def main(argv=None) -> int:
 
 def run(args) -> None:
     """The mode `args` asks for: the sweep, the interleaved timing, or the rounds (the default)."""
-    if args.sweep:
+    if args.host_profile:
+        if args.results == str(ROOT / "bench" / "RESULTS.md"):
+            args.results = str(ROOT / "bench" / "results" / "host_profile.md")
+        args.strategies = args.strategies or host_profile.STRATEGY_NAMES
+        host_profile.run(args)
+    elif args.sweep:
         sweep(args)
     elif args.interleaved:
         interleaved(args)

@@ -56,6 +56,7 @@ class FlatBuffer:
             raise ValueError(f"flat buffer needs a 1-D tensor of {layout.padded_numel} elements, "
                              f"got shape {tuple(data.shape)}")
         self.tensor = data
+        self._views: Optional[tuple[torch.Tensor, ...]] = None  # made once, see views()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -67,12 +68,18 @@ class FlatBuffer:
         return self.tensor.untyped_storage().size()
 
     def view(self, index: int) -> torch.Tensor:
-        """The parameter `index`'s elements, shaped like the parameter."""
-        off, n = self.layout.offsets[index], self.layout.numels[index]
-        return self.tensor[off:off + n].view(self.layout.shapes[index])
+        """The parameter `index`'s elements, shaped like the parameter (a cached view: do not reshape it in place)."""
+        return self.views()[index]
 
-    def views(self) -> list[torch.Tensor]:
-        return [self.view(i) for i in range(len(self.layout.shapes))]
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """Every parameter's view, in layout order. Made once: a view shares the buffer's storage object, so it
+        stays valid across `free_storage`/`alloc_storage`, and a gradient hook that runs once per parameter per
+        backward would otherwise pay a slice and a reshape (two dispatcher calls) each time."""
+        if self._views is None:
+            t, layout = self.tensor, self.layout
+            self._views = tuple(t[off:off + n].view(shape)
+                                for off, n, shape in zip(layout.offsets, layout.numels, layout.shapes))
+        return self._views
 
     def shard(self, shard: int) -> torch.Tensor:
         """The slice owned by `shard` (a view: writes go to the buffer)."""

@@ -1,8 +1,10 @@
 """The gradient life cycle of one flat buffer of parameters, the same at every stage: `GradShard`.
 
 A stage 0-2 gradient bucket and a stage-3 flat unit both hold one `GradShard`. As backward produces
-each parameter's gradient (a post-accumulate-grad hook), `add_grad` moves it into the flat full
-buffer and drops the parameter's own `.grad`. A reduction (`launch`, then `wait`) sums the full
+each parameter's gradient (a post-accumulate-grad hook, built by `make_hook`), `add_grad` moves it
+into the flat full buffer and drops the parameter's own `.grad`; where the full buffer persists in the
+parameters' dtype (stages 0-1), autograd accumulates straight into it instead ([Note: gradients as
+buffer views]). A reduction (`launch`, then `wait`) sums the full
 buffer over ranks, divides by the number of ranks and leaves this rank's slice in `shard`; the dtypes
 and divisors are a `flat.grad_arithmetic.GradArithmetic`:
 
@@ -99,22 +101,34 @@ class GradShard:
             raise AssertionError(f"gradient shard {name}: a persistent full buffer cannot mix reduction dtypes "
                                  f"(buckets are split by reduction dtype)")
         self._pending_low: Optional[PendingReduce] = None  # the split's low-dtype reduction in flight
-        # parameters whose gradient was written into the full buffer since it was allocated; None: every
-        # element holds a value (the persistent buffer, or after `_fill_unwritten`)
-        self._written: Optional[set[int]] = None
+        # [Note: hook cost] `add_grad` runs once per parameter per backward, inside autograd's AccumulateGrad
+        # node: its per-parameter flags are bytearrays (a tensor element write is a dispatcher call, microseconds)
+        # and the full buffer's per-parameter views are made once (FlatBuffer.views).
+        # Parameters whose gradient was written into the full buffer since it was allocated (1 per parameter);
+        # None: every element holds a value (the persistent buffer, or after `_fill_unwritten`)
+        self._written: Optional[bytearray] = None
         self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
+        self.full.views()  # made now, while the storage exists (a view of a freed storage cannot be made)
         if keep_full:
             self.shard = self.full.shard(shard_index)
         else:
             free_storage(self.full.tensor)  # allocated per round, see _ensure_full
             self.shard = torch.zeros(layout.shard_size(shard_index), dtype=accum_dtype, device=first.device)
         self.state = GradState.IDLE
-        self.reported: set[int] = set()                               # parameters heard from this round
-        self.received = torch.zeros(len(params), dtype=torch.bool)   # ... since the last optimizer step
+        self._reported = bytearray(len(params))  # 1: the parameter was heard from this round
+        self._num_reported = 0
+        self._received = bytearray(len(params))  # 1: ... since the last optimizer step
         self.rounds_launched = 0                                      # reductions launched this micro-step
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
         self._pending: Optional[PendingReduce] = None
         self.home = home if not keep_full else None  # where `shard` lives between uses, or None: in memory
+        # [Note: gradients as buffer views] Where the persistent full buffer has the parameters' dtype, each
+        # parameter's .grad is its view of the buffer during a backward (as DDP's gradient_as_bucket_view):
+        # autograd's AccumulateGrad adds into it in place (`grad += new`, the same add `add_grad` did) and
+        # the hook only marks it. Detached (.grad = None) when the round's reduction launches, so that a
+        # late gradient takes `add_grad`'s path (a new round) instead of landing in a buffer being reduced,
+        # and after every backward, so that a stray loss.backward() is refused before it adds anything.
+        self.grad_views = keep_full and self.split is None and all(p.dtype == self.full.dtype for p in params)
         self._sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
         if self.home is not None:
             self.home.adopt(self.shard, zeros=True)
@@ -147,7 +161,16 @@ class GradShard:
     @property
     def complete(self) -> bool:
         """Every parameter reported a gradient in this round."""
-        return len(self.reported) == len(self.params)
+        return self._num_reported == len(self.params)
+
+    @property
+    def received(self) -> torch.Tensor:
+        """Per parameter (bool): got a gradient since the last optimizer step (or zero_grad)."""
+        return torch.tensor(list(self._received), dtype=torch.bool)
+
+    def _clear_reported(self) -> None:
+        self._reported = bytearray(len(self.params))
+        self._num_reported = 0
 
     @property
     def nbytes(self) -> int:
@@ -164,15 +187,15 @@ class GradShard:
         backward, bench/results/big_offload_step.md)."""
         if not self.keep_full and self.full.nbytes == 0:
             alloc_storage(self.full.tensor, self.layout.padded_numel)
-            self._written = set()
+            self._written = bytearray(len(self.params))
 
     def _fill_unwritten(self) -> None:
         """Zero the full buffer's parameters that no gradient wrote since it was allocated, and its padding."""
         if self._written is None:
             return
-        for index in range(len(self.params)):
-            if index not in self._written:
-                self.full.view(index).zero_()
+        for view, written in zip(self.full.views(), self._written):
+            if not written:
+                view.zero_()
         self.full.zero_padding()
         self._written = None
 
@@ -183,30 +206,102 @@ class GradShard:
             # The persistent buffer holds the reduced sums: keep our slice aside, restart from zeros.
             self._stash = self.shard.clone()
             self.full.tensor.zero_()
-        self.reported.clear()
+        self._clear_reported()
 
     def add_grad(self, index: int) -> None:
-        """Move parameter `index`'s fresh `.grad` into the full buffer (called from its hook)."""
+        """Move parameter `index`'s fresh `.grad` into the full buffer (called from its hook; see
+        [Note: hook cost]: the common case, FILLING, is a few attribute reads and one copy or add)."""
         p = self.params[index]
-        if p.grad is None:
+        grad = p.grad
+        if grad is None:
             return
-        if self.state in (GradState.REDUCING, GradState.REDUCED):
-            self._open_round()  # a late gradient: finish the round in flight, then open another one
-        self._ensure_full()
+        if self.grad_views and grad is self.full.views()[index]:  # accumulated in place (attach_grad_views)
+            if self.state is not GradState.FILLING:
+                self._to(GradState.FILLING)  # attached only while IDLE or FILLING: never during a reduction
+            self._mark(index)
+            return
+        if self.state is not GradState.FILLING:  # FILLING: the full buffer is allocated
+            if self.state is GradState.REDUCING or self.state is GradState.REDUCED:
+                self._open_round()  # a late gradient: finish the round in flight, then open another one
+            self._ensure_full()
+            self._to(GradState.FILLING)
         # In the buffer's dtype: a bf16 gradient is added exactly into an fp32 buffer (type promotion); the
         # first one since the buffer was allocated is copied (the same value as adding it to zeros)
-        if self._written is not None and index not in self._written:
-            self.full.view(index).copy_(p.grad)
-            self._written.add(index)
+        written = self._written
+        if written is not None and not written[index]:
+            self.full.views()[index].copy_(grad)
+            written[index] = 1
         else:
-            self.full.view(index).add_(p.grad)
+            self.full.views()[index].add_(grad)
         p.grad = None  # the shard holds it now; dropping .grad is what frees the per-parameter copy
-        self.reported.add(index)
-        self.received[index] = True
-        self._to(GradState.FILLING)
+        self._mark(index)
+
+    def make_hook(self, index: int, gate, on_complete: Callable[[], None]) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of parameter `index` ([Note: hook cost]): refuse a gradient unless
+        `gate.in_backward`, take it in (`add_grad`), and call `on_complete` when this round's last parameter
+        reports. Its common cases (FILLING: the gradient accumulated into its buffer view, or one copy or add)
+        run inline, without further Python calls: it runs once per parameter per backward."""
+        view = self.full.views()[index]
+        count = len(self.params)
+        filling = GradState.FILLING
+        views = self.grad_views
+
+        def hook(param: torch.Tensor) -> None:
+            if not gate.in_backward:
+                param.grad = None  # discarded: it would otherwise be added silently into the next step
+                raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
+                                   "discarded; call engine.backward(loss) instead of loss.backward()")
+            grad = param.grad
+            if grad is None:
+                return
+            if self.state is not filling:
+                self.add_grad(index)  # a state transition: the general path, which marks the parameter itself
+                if self._num_reported == count:
+                    on_complete()
+                return
+            if views and grad is view:
+                pass  # autograd added it in place
+            else:
+                written = self._written
+                if written is not None and not written[index]:
+                    view.copy_(grad)
+                    written[index] = 1
+                else:
+                    view.add_(grad)
+                param.grad = None
+            reported = self._reported
+            if not reported[index]:
+                reported[index] = 1
+                self._num_reported += 1
+                if self._num_reported == count:
+                    on_complete()
+            self._received[index] = 1
+        return hook
+
+    def _mark(self, index: int) -> None:
+        if not self._reported[index]:
+            self._reported[index] = 1
+            self._num_reported += 1
+        self._received[index] = 1
+
+    def attach_grad_views(self) -> None:
+        """Before a backward: each parameter without a .grad gets its view of the full buffer as .grad
+        ([Note: gradients as buffer views]); nothing where the buffer cannot be one or is being reduced."""
+        if self.grad_views and self.state in (GradState.IDLE, GradState.FILLING):
+            for p, view in zip(self.params, self.full.views()):
+                if p.grad is None:
+                    p.grad = view
+
+    def detach_grad_views(self) -> None:
+        """Take the buffer views back from the parameters' .grad (their values stay in the buffer)."""
+        if self.grad_views:
+            for p, view in zip(self.params, self.full.views()):
+                if p.grad is view:
+                    p.grad = None
 
     def launch(self, async_op: bool = True) -> None:
         """Start this round's reduction (every rank must call it, in the same order)."""
+        self.detach_grad_views()  # from now on a gradient must not land in the buffer being reduced
         if self.state is GradState.REDUCED:
             self._open_round()  # another rank needs a further round; ours adds nothing new
         self._ensure_full()  # a rank without gradients takes part with zeros
@@ -261,10 +356,11 @@ class GradShard:
         if self.state is GradState.REDUCING:
             raise RuntimeError(f"zerodp: gradient shard {self.name or '?'} still reducing at the start of a "
                                f"backward (the previous backward did not finish)")
-        self.reported.clear()
+        self._clear_reported()
         self.rounds_launched = 0
         if self.state is not GradState.FILLING:
             self._to(GradState.IDLE)
+        self.attach_grad_views()
 
     def zero_grad(self) -> None:
         """Forget gradients after an optimizer step (or a skipped one)."""
@@ -278,8 +374,8 @@ class GradShard:
         else:
             self.shard.zero_()
             free_storage(self.full.tensor)
-        self.received.zero_()
-        self.reported.clear()
+        self._received = bytearray(len(self.params))
+        self._clear_reported()
         self.rounds_launched = 0
         self._stash = None
         self.state = GradState.IDLE  # from any state: nothing is in flight after wait()

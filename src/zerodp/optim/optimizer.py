@@ -58,7 +58,9 @@ from .model_parallel import ModelParallelNorm
 from .checkpoint_state import CheckpointStateAccess
 from .shared_groups import share_param_groups
 from .shard_norms import maybe_bind, segments_from_layout, split_segments
+from .step_kernel import master_group_settings
 from .step_plan import StepPlan, check_host_step
+from .transient_grads import TransientGradSteps
 
 
 # 1 MiB of fp32: fits L2 with room to spare, large enough that per-tensor overhead is negligible.
@@ -71,7 +73,7 @@ class StepOutcome(Enum):
     NONFINITE = auto()    # bf16/fp32: the global gradient norm is NaN/Inf; nothing was written (nonfinite.py)
 
 
-class ShardedOptimizer(CheckpointStateAccess):
+class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
     """Steps this rank's shards; see the module docstring for the order of one step."""
 
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
@@ -102,7 +104,9 @@ class ShardedOptimizer(CheckpointStateAccess):
                     self.masters.append(unit.param_shard.detach().to(masters_home.device, masters_home.dtype).clone())
                 self.chunks.append(self._split(unit, self.masters[-1]))  # views: made while resident
         self.whole = [unit.layout.whole_tensors for unit in units]  # see [Note: whole-tensor units]
-        groups = [dict(settings, params=[]) for settings in group_settings]
+        # fused on CUDA masters, unchanged elsewhere (optim/step_kernel.py); a host step keeps torch's CPU kernels
+        settings = master_group_settings(user_optimizer, group_settings, masters_home.device)
+        groups = [dict(group, params=[]) for group in settings]
         for unit, chunks in zip(units, self.chunks):
             groups[unit.group_index]["params"].extend(chunks)
         # The user's group index of each inner group. Groups without trainable parameters are dropped;
@@ -192,9 +196,11 @@ class ShardedOptimizer(CheckpointStateAccess):
             self.last_step_skipped = True
             self.last_grad_norm = None
             return StepOutcome.OVERFLOW
+        transient = self.transient_grads_apply()  # [Note: fp32 gradients at the step] (transient_grads.py)
         grads = []
         for unit, master in zip(self.units, self.masters):
-            g = unit.grad_shard if unit.grad_shard.dtype == master.dtype else unit.grad_shard.to(master.dtype)
+            same = transient or unit.grad_shard.dtype == master.dtype
+            g = unit.grad_shard if same else unit.grad_shard.to(master.dtype)
             if self.scaler.scale != 1.0:
                 g = g.div(self.scaler.scale) if g is unit.grad_shard else g.div_(self.scaler.scale)
             grads.append(g)
@@ -207,9 +213,11 @@ class ShardedOptimizer(CheckpointStateAccess):
         coef = 1.0
         if self.gradient_clipping > 0:
             coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
-        # clipped and bound where they are (streamed shards per window); copied to the host for a host step
-        self.plan.bind_all(grads, coef, received)
-        self.plan.run(lambda window: self._step_chunks(received, window), received)
+        if transient:  # fp32 copies of the 16-bit gradients made, clipped and stepped one window at a time
+            self.step_transient(coef, received)
+        else:  # clipped and bound where they are (streamed shards per window); copied to the host for a host step
+            self.plan.bind_all(grads, coef, received)
+            self.plan.run(lambda window: self._step_chunks(received, window), received)
         for chunks in self.chunks:
             for chunk in chunks:
                 chunk.grad = None

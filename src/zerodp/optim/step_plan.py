@@ -81,7 +81,7 @@ class StepPlan:
                   if not self.stream_grads[index]}  # streamed shards are bound per window (`run`)
         self._wait_for_staging()
         for index, g in staged.items():
-            self._bind(index, g, received)
+            self.bind(index, g, received)
 
     def _to_step_device(self, index: int, g: torch.Tensor) -> torch.Tensor:
         """`g` where the step runs: itself, or (host step) its copy in unit `index`'s pinned host buffer.
@@ -102,7 +102,7 @@ class StepPlan:
         if self.host_step and self.placement.compute.device.type == "cuda":
             torch.cuda.current_stream(self.placement.compute.device).synchronize()
 
-    def _bind(self, index: int, g: torch.Tensor, received: Optional[torch.Tensor],
+    def bind(self, index: int, g: torch.Tensor, received: Optional[torch.Tensor],
               window: Optional[set[int]] = None) -> None:
         """Give unit `index`'s chunks their gradients: views of `g` (a streamed shard's chunks in `window`,
         ids of the chunks this part of the step updates, are clipped here)."""
@@ -157,7 +157,7 @@ class StepPlan:
                 holding([self.units[i].grad_resident() for i in grads]):
             stepped = {id(c) for c in window}
             for i in grads:
-                self._bind(i, self.units[i].grad_shard, received, stepped)
+                self.bind(i, self.units[i].grad_shard, received, stepped)
             step_window(window)
             for i in grads:  # the shards may be evicted after this block: no view of them may remain
                 for chunk in self.chunks[i]:

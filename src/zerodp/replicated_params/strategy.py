@@ -51,15 +51,14 @@ class GradReducer:
         return self.policy.reduces_every_micro_step
 
     def _make_hook(self, bucket: GradBucket, index: int):
-        def hook(param: torch.Tensor) -> None:
-            if not self.in_backward:
-                param.grad = None  # discarded: it would otherwise be added silently into the next step
-                raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
-                                   "discarded; call engine.backward(loss) instead of loss.backward()")
-            bucket.grads.add_grad(index)
-            if self.reducing_this_micro_step:
-                self.queue.launch_ready()
-        return hook
+        # runs once per parameter per backward: built by the gradient shard ([Note: hook cost] in
+        # flat/grad_shard.py), refusing gradients outside engine.backward (self.in_backward)
+        return bucket.grads.make_hook(index, self, self._on_bucket_complete)
+
+    def _on_bucket_complete(self) -> None:
+        """A bucket got its last gradient: launch, in order, what is ready (only a completion can free one)."""
+        if self.reducing_this_micro_step:
+            self.queue.launch_ready()
 
     def start_micro_step(self, reduce: bool) -> None:
         """Before one backward; `reduce` says whether gradients are reduced after it."""
@@ -74,6 +73,8 @@ class GradReducer:
         whether the parameter got a gradient on any rank during the step; None otherwise.
         """
         self.in_backward = False
+        for bucket in self.buckets:  # [Note: gradients as buffer views] in flat/grad_shard.py
+            bucket.grads.detach_grad_views()
         if not self.reducing_this_micro_step:
             return None
         return self.queue.finish(boundary, [b.grads for b in self.buckets])

@@ -132,16 +132,14 @@ class Stage3Sharding:
     # -- gradients ----------------------------------------------------------------------------------
 
     def _grad_hook(self, flat: FlatUnit, index: int):
-        def hook(param: torch.Tensor) -> None:
-            if not self.schedule.in_backward:
-                param.grad = None  # discarded: it would otherwise be added silently into the next step
-                raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
-                                   "discarded; call engine.backward(loss) instead of loss.backward()")
-            flat.grads.add_grad(index)
-            if flat.grads.complete:
-                self.queue.launch_ready()
-                self._owner[id(flat)].on_gradients_complete()
-        return hook
+        # runs once per parameter per backward: built by the gradient shard ([Note: hook cost] in
+        # flat/grad_shard.py), refusing gradients outside engine.backward (the schedule's in_backward)
+        owner = self._owner[id(flat)]
+
+        def on_complete() -> None:
+            self.queue.launch_ready()
+            owner.on_gradients_complete()
+        return flat.grads.make_hook(index, self.schedule, on_complete)
 
     def _reduction_order(self) -> list[FlatUnit]:
         """Trainable flat units by reverse first use in the last forward, then the rest ([Note: reduction order])."""
