@@ -90,11 +90,11 @@ bench: $(BENCH_VENV)/.installed
 
 # One GPU (issue 32): DDP, FSDP2, zerodp stages 1-3, CPU offload (zerodp, FSDP2), DeepSpeed where importable, at 254M and
 # 1.3B, bf16; s/step, tokens/s, TFLOPS and peak CUDA bytes to bench/results/gpu_bench-<device>.md, about 5 minutes on an
-# H100. Each run is its own process importing zerodp from src/ (GPU_PY: a python with torch and pydantic). On a
-# machine without a GPU, `$(BIN)/python -m bench.gpu_bench --tiny` runs every strategy on a tiny GPT instead.
-GPU_PY ?= python3
+# H100. Like test-gpu it runs with the machine's python3 and .gpu-wheels (tools/gpu_run.sh), results under $$OUT
+# (or gpu-out/). On a machine without a GPU, `$(BIN)/python -m bench.gpu_bench --tiny` runs every strategy on a
+# tiny GPT instead.
 bench-gpu:
-	$(GPU_PY) -m bench.gpu_bench
+	bash tools/gpu_run.sh bench
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,8 +1,8 @@
 """Acceptance: `accelerate launch --use_deepspeed` runs an unchanged Accelerate script on zerodp with the switch
 (docs/frameworks.md's command; tests/e2e/accelerate_job.py, 2 ranks): the variable reaches the launcher (which checks
 for DeepSpeed and reads `deepspeed.launcher.runner`) and the ranks torch's elastic launcher starts. At ZeRO stage 2
-its losses, grad norms, lr and final parameters equal the same script's plain multi-process run (Accelerate's DDP
-on gloo)."""
+(the page's command) and stage 3 (its `--zero_stage 3`) the losses, grad norms, lr and final parameters equal the
+same script's plain multi-process run (Accelerate's DDP on gloo), launched once for both."""
 
 from __future__ import annotations
 
@@ -35,11 +35,23 @@ def test_accelerate_launch_use_deepspeed_equals_the_plain_multi_process_run(tmp_
     argv, doc_env = documented("accelerate", JOB, "--out", str(tmp_path / "zero"),
                                launcher_args=("--main_process_port", "0"))
     assert "--use_deepspeed" in argv and doc_env == {"ZERODP_DEEPSPEED_ALIAS": "1"}
+    stage = argv.index("--zero_stage") + 1
+    assert argv[stage] == "2"
     zero = _run(argv, {**base, **doc_env}, tmp_path / "zero")
+    # the job reads the whole model at the end (accelerator.get_state_dict): at stage 3 Accelerate asks for the 16-bit
+    # gather on save, with real DeepSpeed too
+    argv3 = [*argv[:stage], "3", "--zero3_save_16bit_model", "true", *argv[stage + 1:]]
+    argv3[argv3.index(str(tmp_path / "zero"))] = str(tmp_path / "zero3")
+    zero3 = _run(argv3, {**base, **doc_env}, tmp_path / "zero3")
     # the plain run: Accelerate's multi-process launch; without a GPU, ACCELERATE_USE_CPU gives it gloo ranks
     plain_env = {**base, **({} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"})}
     plain = _run([ACCELERATE, "launch", "--main_process_port", "0", "--multi_gpu", "--num_processes", "2", str(JOB),
                   "--out", str(tmp_path / "plain")], plain_env, tmp_path / "plain")
+    for run in (zero, zero3):
+        _assert_equal(run, plain)
+
+
+def _assert_equal(zero: dict, plain: dict) -> None:
     assert zero["distributed_type"] == "DistributedType.DEEPSPEED"
     assert plain["distributed_type"] in ("DistributedType.MULTI_CPU", "DistributedType.MULTI_GPU")
     assert len(zero["losses"]) == len(plain["losses"]) == 6  # 48 samples, 2 ranks of 4
