@@ -1,7 +1,7 @@
 """The engine: forward, backward, step and accumulation over one model, for every ZeRO stage.
 
 Stages are policies over this one engine, not copies of it: stages 0-2 lay trainable parameters out
-in gradient buckets (`replicated_params/`), stage 3 in gathered units (`stage3/`). The engine drives either
+in gradient buckets (`stage12/`), stage 3 in gathered units (`stage3/`). The engine drives either
 strategy through `seams.ShardingStrategy` and steps its units (`seams.ShardedUnit`) with one
 `ShardedOptimizer`; it is the only caller of both (see seams.py for one step's calls in order).
 
@@ -30,7 +30,7 @@ from .comm import watchdog
 from .config import ConfigError, ZeroConfig, load_config
 from .config.auto import resolve_auto
 from .errors import NonFiniteError
-from .flat.grad_arithmetic import GradArithmetic
+from .grads.grad_arithmetic import GradArithmetic
 from .optim.client_schedule import build_schedule, engine_schedule
 from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
@@ -46,8 +46,8 @@ from .placement import model_device, placement_of
 from .precision import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
 from .seams import ShardingStrategy
-from .replicated_params.buckets import ReducePolicy, build_buckets
-from .replicated_params.strategy import GradReducer
+from .stage12.buckets import ReducePolicy, build_buckets
+from .stage12.strategy import GradReducer
 from .runtime import RUNTIME, Lease
 from .stage3 import build_stage3_sharding
 
@@ -109,7 +109,7 @@ class ZeroEngine:
         broadcast_module_state(model, process_group)
         if self.precision.mixed:
             model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
-        # communication/accumulation dtypes, pre/post divisors: one arithmetic for all stages (flat/grad_arithmetic.py)
+        # communication/accumulation dtypes, pre/post divisors: one arithmetic for all stages (grads/grad_arithmetic.py)
         self.autocast = AutocastPolicy.from_config(config, model)  # torch_autocast (autocast.py), or None
         arithmetic = GradArithmetic(self.world_size, self.precision.grad_accum_dtype, self.precision.reduce_dtype,
                                     config.gradient_predivide_factor, config.prescale_gradients,
