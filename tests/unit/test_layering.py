@@ -147,7 +147,7 @@ def test_no_package_level_import_cycle():
 
 # The tiers as the packages are named today (update with the layout): module prefixes under zerodp.
 TIERS = {
-    "runtime": ("engine", "runtime", "config", "comm", "flat", "grads", "stage12", "stage3", "optim",
+    "runtime": ("engine", "sharding", "runtime", "config", "comm", "flat", "grads", "stage12", "stage3", "optim",
                 "offload", "checkpoint", "precision", "autocast", "monitor", "memory", "host_memory", "seams", "errors",
                 "nonfinite", "preflight", "module_device", "placement", "activations", "tensor_parallel"),
     "adapter": ("deepspeed", "integrations", "vissl"),
