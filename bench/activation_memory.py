@@ -1,5 +1,5 @@
 """Peak activation bytes per rank of one forward + backward, with activation checkpointing off, on,
-+cpu_checkpointing, +partition_activations and +both, against memory/activation_memory.py's formulas.
++cpu_checkpointing, +partition_activations and +both, against plan/activation_memory.py's formulas.
 
     torchrun --standalone --nproc_per_node 2 bench/activation_memory.py --model small --micro-batch 8
     torchrun --standalone --nproc_per_node 2 bench/activation_memory.py --tp-model ...   # zerodp.models.tp_gpt
@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.harness.live_memory import in_use_bytes
 from zerodp.activations import DEVICE, HOST, Checkpointer, ModelParallelGroup, RNGStatesTracker
 from zerodp.config.activation_checkpointing import ActivationCheckpointingConfig as Settings
-from zerodp.memory import format_bytes
-from zerodp.memory.activation_memory import activation_memory
+from zerodp.plan import format_bytes
+from zerodp.plan.activation_memory import activation_memory
 from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
 
 MIB = 2 ** 20

@@ -5,7 +5,7 @@
 Real gradients: zerodp train's GPT (small preset) in bf16 on its embedded corpus, one bf16 backward per
 (rank, micro-step) for 8 ranks x 16 micro-steps, micro-batch 2 x 128 tokens. For N ranks and A micro-steps
 the reference is their mean in fp64. Each mode replays what stages 2-3 do with zerodp's own arithmetic
-(`flat.grad_arithmetic.GradArithmetic`): every micro-step, each rank's gradient is cast to the
+(`grads.grad_arithmetic.GradArithmetic`): every micro-step, each rank's gradient is cast to the
 communication dtype (`communication_data_type`), the ranks' values are summed in that dtype (rank by rank:
 each partial sum rounded, as a ring's or a pairwise exchange's additions are; the order differs from a real
 collective's, the number of roundings does not), divided by N, cast to the accumulation dtype
@@ -20,7 +20,7 @@ import torch
 
 from zerodp.app.corpus import ByteCorpus
 from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
-from zerodp.flat.grad_arithmetic import GradArithmetic
+from zerodp.grads.grad_arithmetic import GradArithmetic
 
 MODES = {  # name -> (communication dtype, accumulation dtype)
     "bf16 reduce, bf16 accumulate (default)": (torch.bfloat16, torch.bfloat16),

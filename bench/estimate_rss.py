@@ -36,10 +36,10 @@ from torch import nn
 from zerodp.cli.main import build_parser
 from zerodp.cli.estimate_rss import render_peak, shapes
 from zerodp.config import load_config
-from zerodp.memory import estimate_activation_bytes
-from zerodp.memory.baseline import baseline_rss_bytes
-from zerodp.memory.model_shape import module_shape, run_shape_of
-from zerodp.memory.peak_rss import predict_peak_rss
+from zerodp.plan import estimate_activation_bytes
+from zerodp.plan.baseline import baseline_rss_bytes
+from zerodp.plan.model_shape import module_shape, run_shape_of
+from zerodp.plan.peak_rss import predict_peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20

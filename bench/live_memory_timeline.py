@@ -84,7 +84,7 @@ class Timeline:
 
 
 def trace_zerodp(timeline: Timeline) -> None:
-    from zerodp.flat.grad_shard import GradShard
+    from zerodp.grads.grad_shard import GradShard
     from zerodp.optim.optimizer import ShardedOptimizer
     from zerodp.stage3.flat_unit import FlatUnit
     from zerodp.stage3.module_unit import ModuleUnit

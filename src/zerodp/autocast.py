@@ -11,9 +11,9 @@ What it means (DeepSpeed >= 0.17, read from its runtime/torch_autocast.py and Ze
   each rank's fp32 gradient is cast to `dtype`, summed, divided by the world size in `dtype` and cast
   back to fp32. Every other parameter's gradient is summed in fp32.
 
-zerodp holds the set of those parameters here and hands it to `flat.grad_arithmetic.GradArithmetic`
+zerodp holds the set of those parameters here and hands it to `grads.grad_arithmetic.GradArithmetic`
 (`low_precision_ids`); stage 0-2 buckets never mix the two reduction dtypes, a stage-3 unit that holds
-both reduces its two parts in two collectives (flat/split_reduce.py).
+both reduces its two parts in two collectives (grads/split_reduce.py).
 
 Where zerodp differs from DeepSpeed on purpose:
 - stage 3 gathers parameters in fp32; DeepSpeed gathers the safe modules' parameters in `dtype`. The

@@ -1,7 +1,8 @@
 """The engine: forward, backward, step and accumulation over one model, for every ZeRO stage.
 
 Stages are policies over this one engine, not copies of it: stages 0-2 lay trainable parameters out
-in gradient buckets (`replicated_params/`), stage 3 in gathered units (`stage3/`). The engine drives either
+in gradient buckets (`stage12/`), stage 3 in gathered units (`stage3/`), as `sharding.build_sharding`
+chooses once for the configured stage. The engine drives either
 strategy through `seams.ShardingStrategy` and steps its units (`seams.ShardedUnit`) with one
 `ShardedOptimizer`; it is the only caller of both (see seams.py for one step's calls in order).
 
@@ -22,7 +23,6 @@ import torch
 from torch import nn
 
 from . import activations, comm
-from .autocast import AutocastPolicy
 from .checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from .checkpoint.state import set_rng_state
 from .checkpoint.tensor_parallel import rank_dir as tp_rank_dir, save_per_rank as tp_save
@@ -30,7 +30,6 @@ from .comm import watchdog
 from .config import ConfigError, ZeroConfig, load_config
 from .config.auto import resolve_auto
 from .errors import NonFiniteError
-from .flat.grad_arithmetic import GradArithmetic
 from .optim.client_schedule import build_schedule, engine_schedule
 from .optim.lr_schedules import build_lr_scheduler
 from .memory.report import MemoryReport, measure_memory
@@ -39,17 +38,14 @@ from .module_device import place_module
 from .monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
 from .offload.tier import build_optimizer_offload
-from .optim.inner import check_supported, group_hyperparameters, members, needs_whole_tensors, resolve_optimizer
+from .optim.inner import group_hyperparameters
 from .optim.model_parallel import data_parallel_group, model_parallel_norm
 from .optim.optimizer import ShardedOptimizer, StepOutcome
 from .placement import model_device, placement_of
 from .precision import LossScaler, PrecisionPolicy, cast_floats
-from .preflight import broadcast_module_state, check_same_model, optimizer_groups, trainable_parameters
-from .seams import ShardingStrategy
-from .replicated_params.buckets import ReducePolicy, build_buckets
-from .replicated_params.strategy import GradReducer
+from .preflight import check_same_model
 from .runtime import RUNTIME, Lease
-from .stage3 import build_stage3_sharding
+from .sharding import build_sharding
 
 log = logging.getLogger("zerodp")
 
@@ -97,24 +93,11 @@ class ZeroEngine:
         self.param_names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
-        trainable = trainable_parameters(model)
-        user_opt = resolve_optimizer(optimizer, config.optimizer, trainable, model=model)
+        # the optimizer resolved and checked, the model made the same on every rank and cast, its parameters laid
+        # out by the configured stage's strategy (sharding.py)
+        user_opt, self.autocast, self.sharding = build_sharding(model, optimizer, config, process_group,
+                                                                self.precision, self.world_size)
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
-        check_supported(user_opt, config.zero_allow_untested_optimizer)
-        check_hyperparameters(user_opt.param_groups)
-        groups = optimizer_groups(model, user_opt)
-        # per param group: does its optimizer read whole tensors (Muon, Adafactor)? Then each rank owns
-        # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
-        whole = [needs_whole_tensors(m) for m in members(user_opt)]
-        broadcast_module_state(model, process_group)
-        if self.precision.mixed:
-            model.to(self.precision.param_dtype)  # parameters and floating buffers compute in low precision
-        # communication/accumulation dtypes, pre/post divisors: one arithmetic for all stages (flat/grad_arithmetic.py)
-        self.autocast = AutocastPolicy.from_config(config, model)  # torch_autocast (autocast.py), or None
-        arithmetic = GradArithmetic(self.world_size, self.precision.grad_accum_dtype, self.precision.reduce_dtype,
-                                    config.gradient_predivide_factor, config.prescale_gradients,
-                                    *(() if self.autocast is None else (self.autocast.low_precision_ids, self.autocast.dtype)))
-        self.sharding: ShardingStrategy = _build_sharding(model, groups, whole, config, process_group, arithmetic)
         self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
         # where each state lives (masters, optimizer state, staging buffers), decided once: placement.py
         self.placement = placement_of(config, model_device(model))
@@ -386,18 +369,6 @@ class ZeroEngine:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _build_sharding(model: nn.Module, groups, whole: list[bool], config: ZeroConfig,
-                    process_group: comm.ProcessGroup, arithmetic: GradArithmetic) -> ShardingStrategy:
-    """The strategy for the configured stage (seams.ShardingStrategy); `whole[g]`: group g's units
-    are laid out in whole tensors per rank; `arithmetic`: how gradients are accumulated and reduced."""
-    zero = config.zero_optimization
-    if config.stage == 3:
-        return build_stage3_sharding(model, groups, config, process_group, whole, arithmetic)
-    policy = ReducePolicy.for_stage(config.stage, zero.reduce_scatter)
-    buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size, whole, arithmetic)
-    return GradReducer(buckets, process_group, zero.overlap_comm, policy, zero.allgather_bucket_size)
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,

@@ -6,7 +6,7 @@ loss scale so that small gradients do not flush to zero; the scale is lowered wh
 inf/nan gradient (that step is skipped everywhere) and raised after `loss_scale_window` clean steps.
 Gradients are summed over ranks in `reduce_dtype` and accumulated over micro-steps in
 `grad_accum_dtype` (DeepSpeed's communication_data_type and data_types.grad_accum_dtype; both the
-compute dtype unless configured): see flat/grad_arithmetic.py for the exact arithmetic.
+compute dtype unless configured): see grads/grad_arithmetic.py for the exact arithmetic.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The seams between zerodp's parts, written down as `typing.Protocol`s that the code obeys.
 
-    engine ──drives──> ShardingStrategy (replicated_params.strategy.GradReducer,
+    engine ──drives──> ShardingStrategy (stage12.strategy.GradReducer,
        │                                 stage3.strategy.Stage3Sharding)
-       │                   └── units: ShardedUnit (replicated_params.buckets.GradBucket, stage3.flat_unit.FlatUnit)
+       │                   └── units: ShardedUnit (stage12.buckets.GradBucket, stage3.flat_unit.FlatUnit)
        └──steps──> optim.optimizer.ShardedOptimizer (over the strategy's units)
     checkpoint ──reads──> CheckpointEngine: the engine's public members, its strategy's units and
                           its optimizer's CheckpointOptimizer members, nothing private

@@ -4,7 +4,7 @@ loss scale) and fp32 runs, bitwise against a
 plain-PyTorch reference that does the same arithmetic in one process.
 
 The reference (`simulated_reference`) runs the parity model in bf16 (or fp32) on each rank's
-micro-batches in turn and writes out what the keys mean (flat/grad_arithmetic.py's docstring): each
+micro-batches in turn and writes out what the keys mean (grads/grad_arithmetic.py's docstring): each
 micro-step's 16-bit gradient is accumulated in grad_accum_dtype, cast to communication_data_type,
 divided by the pre-divisor, summed over the two ranks, divided by the post-divisor and cast back;
 stages 0-1 reduce the accumulated gradient at the boundary, stages 2-3 reduce every micro-step and

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from zerodp import cli
-from zerodp.memory import render_paper_table
+from zerodp.plan import render_paper_table
 from zerodp.app.train_args import TrainArgs
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zerodp import cli
-from zerodp.memory import peak_rss
+from zerodp.plan import peak_rss
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "memory.md").read_text()

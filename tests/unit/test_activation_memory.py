@@ -1,4 +1,4 @@
-"""ZeRO-R's activation memory: the formulas `zerodp estimate` prints (memory/activation_memory.py) against the
+"""ZeRO-R's activation memory: the formulas `zerodp estimate` prints (plan/activation_memory.py) against the
 bytes zerodp's checkpointer keeps for the bundled GPT, and `zerodp train --checkpoint-activations`'s wiring and
 summary line."""
 
@@ -13,7 +13,7 @@ from zerodp.activations import DEVICE, HOST, Checkpointer
 from zerodp.app.report import render_summary
 from zerodp.app.train_args import resolve_train_args
 from zerodp.config.activation_checkpointing import ActivationCheckpointingConfig as Settings
-from zerodp.memory.activation_memory import activation_memory, activation_rows
+from zerodp.plan.activation_memory import activation_memory, activation_rows
 from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
 
 TINY = MODEL_PRESETS["tiny"]

@@ -181,5 +181,5 @@ def test_aliases_and_no_effect_keys():
     assert cfg.zero_optimization.sub_group_size == 10**9  # honoured: the offload streaming window
     noted = " ".join(cfg._notes)
     assert "allgather_partitions" in noted
-    assert cfg.prescale_gradients is False  # honoured (flat/grad_arithmetic.py), here at its default
+    assert cfg.prescale_gradients is False  # honoured (grads/grad_arithmetic.py), here at its default
     assert not cfg.tensorboard.enabled  # a monitoring section: honoured (zerodp.monitor), here switched off

@@ -12,8 +12,8 @@ from torch import nn
 
 from zerodp import comm
 from zerodp.config import ConfigError, load_config
-from zerodp.flat.grad_arithmetic import GradArithmetic
-from zerodp.flat.grad_shard import GradShard
+from zerodp.grads.grad_arithmetic import GradArithmetic
+from zerodp.grads.grad_shard import GradShard
 from zerodp.flat.layout import FlatLayout
 from zerodp.precision import PrecisionPolicy
 
@@ -107,7 +107,7 @@ def _three_rank_shard(arithmetic: GradArithmetic, keep_full: bool):
 
 
 def _expected(mine: torch.Tensor, comm_dtype, pre: float, post: float) -> torch.Tensor:
-    """The module docstring of flat/grad_arithmetic.py, written out: cast, divide, sum in rank order, divide."""
+    """The module docstring of grads/grad_arithmetic.py, written out: cast, divide, sum in rank order, divide."""
     sends = [t.to(torch.bfloat16).to(comm_dtype) for t in (mine, *OTHERS)]
     sends = [s / pre if pre != 1.0 else s for s in sends]
     total = (sends[0] + sends[1]) + sends[2]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
-from zerodp.memory import (
+from zerodp.plan import (
     ModelStateBytes,
     estimate_activation_bytes,
     estimate_model_numel,

@@ -1,4 +1,4 @@
-"""The peak-RSS model's arithmetic (memory/peak_rss.py, model_shape.py, fit.py, baseline.py's cache): no
+"""The peak-RSS model's arithmetic (plan/peak_rss.py, model_shape.py, fit.py, baseline.py's cache): no
 process group, no subprocess, milliseconds."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from zerodp.config import load_config
-from zerodp.memory import baseline as baseline_mod
-from zerodp.memory.fit import fit_memory, zero_section
-from zerodp.memory.model_shape import module_shape, run_shape_of, uniform_shape
-from zerodp.memory.peak_rss import (HEAP_RETENTION_ACTIVATIONS, HEAP_RETENTION_STATES, REDUCTIONS_IN_FLIGHT,
+from zerodp.plan import baseline as baseline_mod
+from zerodp.plan.fit import fit_memory, zero_section
+from zerodp.plan.model_shape import module_shape, run_shape_of, uniform_shape
+from zerodp.plan.peak_rss import (HEAP_RETENTION_ACTIVATIONS, HEAP_RETENTION_STATES, REDUCTIONS_IN_FLIGHT,
                                     ModelShape, RunShape, predict_peak_rss)
 
 MiB = 2**20

@@ -1,21 +1,24 @@
-"""The scale model (zerodp.scaling): calibration against zerodp's measured steps, the byte formulas
+"""The scale model (zerodp.plan.scaling): calibration against zerodp's measured steps, the byte formulas
 of each mode, the overlap rule, the published checks, docs/scaling.md and `zerodp estimate --cluster`.
 Pure arithmetic: milliseconds."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from zerodp.cli.main import main
-from zerodp.scaling.calibration import BENCH_WORKLOAD, MEASURED, calibration_rows
-from zerodp.scaling.cluster import H100_8X400G, LOCAL_GLOO
-from zerodp.scaling.plan import Group, Kind, Layout, Phase, Transfer, plan
-from zerodp.scaling.predictor import predict
-from zerodp.scaling.published import CHECKS
-from zerodp.scaling.report import regenerate
-from zerodp.scaling.workload import BENCH_GPT, LLAMA_7B, LLAMA_70B, Workload
+from zerodp.plan.scaling.calibration import BENCH_WORKLOAD, MEASURED, calibration_rows
+from zerodp.plan.scaling.cluster import H100_8X400G, LOCAL_GLOO
+from zerodp.plan.scaling.plan import Group, Kind, Layout, Phase, Transfer, plan
+from zerodp.plan.scaling.predictor import predict
+from zerodp.plan.scaling.published import CHECKS
+from zerodp.plan.scaling.report import regenerate
+from zerodp.plan.scaling.workload import BENCH_GPT, LLAMA_7B, LLAMA_70B, Workload
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
 
@@ -133,11 +136,24 @@ def test_published_checks_as_documented(check):
 
 def test_scaling_doc_tables_are_current():
     text = DOC.read_text()
-    assert regenerate(text) == text, "docs/scaling.md is stale: python -m zerodp.scaling.report --write docs/scaling.md"
+    assert regenerate(text) == text, \
+        "docs/scaling.md is stale: python -m zerodp.plan.scaling.report --write docs/scaling.md"
     # the blocks hold the tables (an empty block would regenerate to itself only if the code printed nothing)
     for row in ("| stage 3 | 1.600 |", "| llama-70b | 1024 | ZeRO++ |", "| ZeRO-100B, 400 V100",
                 "| h100-8x100g-node | llama-70b | 1024 |", "| ZeRO-100B TFLOP/s/GPU |"):
         assert row in text, row
+
+
+def test_the_documented_regenerate_command_runs(tmp_path):
+    """docs/scaling.md's `python -m ... --write docs/scaling.md` is a command a developer types: run it as
+    written on a copy of the page (the module path moved once, with the planners into zerodp.plan)."""
+    text = DOC.read_text()
+    module = re.search(r"`python -m (\S+) --write docs/scaling\.md`", text).group(1)
+    copy = tmp_path / "scaling.md"
+    copy.write_text(text)
+    done = subprocess.run([sys.executable, "-m", module, "--write", str(copy)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert copy.read_text() == text and f"regenerated {copy}" in done.stdout
 
 
 def test_regenerate_refuses_a_missing_block():
@@ -184,9 +200,9 @@ def test_model_state_memory_per_mode():
 
 
 def test_tensor_parallel_term_and_its_data_parallel_group():
-    from zerodp.scaling.cluster import dgx2_v100
-    from zerodp.scaling.plan import tensor_parallel_transfers
-    from zerodp.scaling.published import GPT_100B
+    from zerodp.plan.scaling.cluster import dgx2_v100
+    from zerodp.plan.scaling.plan import tensor_parallel_transfers
+    from zerodp.plan.scaling.published import GPT_100B
 
     work = Workload(GPT_100B, 16 * 1024, checkpointing=True)
     layout = Layout.of(400, 16, tp=16)
@@ -203,7 +219,7 @@ def test_tensor_parallel_term_and_its_data_parallel_group():
 
 
 def test_model_size_counts_give_llama_like_shapes():
-    from zerodp.scaling.workload import shape_for_count
+    from zerodp.plan.scaling.workload import shape_for_count
 
     for count in (1e8, 13e9, 175e9):
         assert shape_for_count(count).numel == pytest.approx(count, rel=0.03)

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from zerodp import comm
-from zerodp.flat.grad_arithmetic import GradArithmetic
-from zerodp.flat.grad_shard import GradShard, GradState
+from zerodp.grads.grad_arithmetic import GradArithmetic
+from zerodp.grads.grad_shard import GradShard, GradState
 from zerodp.flat.layout import FlatLayout
 from zerodp.stage3.module_unit import ModuleUnit, TrainingState
 

@@ -13,9 +13,9 @@ from zerodp.app.train_args import resolve_train_args
 from zerodp.cli.main import TRAIN_OPTIONS
 from zerodp.config import load_config
 from zerodp.errors import UsageError
-from zerodp.memory.model_shape import run_shape_of, uniform_shape
-from zerodp.memory.peak_device import predict_peak_device_bytes
-from zerodp.memory.peak_rss import RunShape, predict_peak_rss
+from zerodp.plan.model_shape import run_shape_of, uniform_shape
+from zerodp.plan.peak_device import predict_peak_device_bytes
+from zerodp.plan.peak_rss import RunShape, predict_peak_rss
 
 CUDA0 = torch.device("cuda", 0)
 

@@ -71,7 +71,7 @@ def test_a_list_of_optimizers_must_be_disjoint():
 
 def test_estimator_reports_whole_tensor_imbalance(capsys):
     from zerodp.cli.main import main
-    from zerodp.memory import whole_tensor_shard_numel
+    from zerodp.plan import whole_tensor_shard_numel
 
     assert whole_tensor_shard_numel([(4, 4), (4, 4), (4, 4)], 2) == 32  # two matrices on one rank: 32 vs 24
     assert whole_tensor_shard_numel([(4, 4), (4, 4)], 2) == 16          # balanced: exactly Psi/N

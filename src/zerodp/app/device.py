@@ -10,7 +10,7 @@ Each decision is a function of device values and counts, so the CPU suite checks
     draws from the same probabilities, so all ranks sample the same text (stage 3 needs the same forwards);
   - `default_nproc`: one rank per GPU there is (each rank needs its own GPU), 2 CPU ranks without one;
   - `predicted_peak_cuda_bytes`: the peak `torch.cuda.max_memory_allocated()` of a rank, from the same
-    formulas as the peak RSS (memory/peak_device.py), printed beside the measured peak.
+    formulas as the peak RSS (plan/peak_device.py), printed beside the measured peak.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def visible_gpus() -> int:
 def predicted_peak_cuda_bytes(model_name: str, config, world_size: int, seq_len: int) -> Optional[float]:
     """The predicted peak device memory of one rank of `zerodp train` (None where the config's optimizer is
     not one the formulas know)."""
-    from ..memory.formulas import OPTIMIZER_STATES
-    from ..memory.model_shape import gpt_shape, run_shape_of
-    from ..memory.peak_device import predict_peak_device_bytes
+    from ..plan.formulas import OPTIMIZER_STATES
+    from ..plan.model_shape import gpt_shape, run_shape_of
+    from ..plan.peak_device import predict_peak_device_bytes
     from ..models.gpt import MODEL_PRESETS
 
     optimizer = "adamw" if config.optimizer is None else str(getattr(config.optimizer, "type", "")).lower()

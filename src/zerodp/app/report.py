@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from ..memory import format_bytes
+from ..plan import format_bytes
 
 METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "rss_bytes")
 
@@ -74,7 +74,7 @@ def _pair(measured: float, predicted: float) -> str:
 
 
 def _cuda_peak(rank: dict) -> str:
-    """A CUDA rank's peak device memory beside its peak RSS: measured / predicted (memory/peak_device.py)."""
+    """A CUDA rank's peak device memory beside its peak RSS: measured / predicted (plan/peak_device.py)."""
     measured = rank.get("peak_cuda_bytes")
     if measured is None:
         return ""
@@ -176,9 +176,9 @@ def plot_loss(out_dir: Path, rows: list[dict], val_loss: Optional[float], title:
 
 def activation_report(args, micro_batch: int) -> dict:
     """This rank's activation figures: checkpoints kept (measured peak, device and host) and the formula's
-    prediction with the run's settings, and without checkpointing (memory/activation_memory.py)."""
+    prediction with the run's settings, and without checkpointing (plan/activation_memory.py)."""
     from ..activations import DEVICE, HOST, PROCESS
-    from ..memory.activation_memory import activation_memory
+    from ..plan.activation_memory import activation_memory
     from ..models.gpt import MODEL_PRESETS
 
     section = args.config.get("activation_checkpointing")

@@ -32,7 +32,7 @@ import psutil
 import torch
 
 from .. import comm
-from ..memory import format_bytes
+from ..plan import format_bytes
 from . import run_folder
 from .corpus import ByteCorpus
 from .device import predicted_peak_cuda_bytes, rank_device, sample_generator

@@ -1,8 +1,8 @@
 """`zerodp estimate --peak-rss | --config FILE | --fit-memory BUDGET`: each rank's peak RSS before launch.
 
-This module owns those options, how they become a model shape and a run shape (memory/model_shape.py),
-and the two printouts: the peak's terms (memory/peak_rss.py) and the fit table (memory/fit.py). The
-baseline RSS of the framework comes from memory/baseline.py (measured once per machine and cached)
+This module owns those options, how they become a model shape and a run shape (plan/model_shape.py),
+and the two printouts: the peak's terms (plan/peak_rss.py) and the fit table (plan/fit.py). The
+baseline RSS of the framework comes from plan/baseline.py (measured once per machine and cached)
 unless `--baseline-rss` gives it.
 """
 
@@ -135,8 +135,8 @@ def shapes(ns: argparse.Namespace):
     import torch
 
     from ..app.train_args import DEFAULT_MICRO_BATCH
-    from ..memory.model_shape import gpt_shape, run_shape_of, uniform_shape
-    from ..scaling.workload import parse_count
+    from ..plan.model_shape import gpt_shape, run_shape_of, uniform_shape
+    from ..plan.scaling.workload import parse_count
 
     config = _config(ns)
     world = ns.world_size or (2 if ns.model is not None else 64)  # as the model-state table
@@ -175,7 +175,7 @@ def shapes(ns: argparse.Namespace):
 def _baseline(ns: argparse.Namespace) -> tuple[int, str]:
     if ns.baseline_rss is not None:
         return _size(ns.baseline_rss, "--baseline-rss"), "given with --baseline-rss"
-    from ..memory.baseline import BaselineError, baseline_rss_bytes
+    from ..plan.baseline import BaselineError, baseline_rss_bytes
 
     try:
         return baseline_rss_bytes(recalibrate=bool(ns.calibrate))
@@ -202,7 +202,7 @@ def render_peak(peak, run, what: str, baseline_where: str) -> str:
 
 
 def render_fit(result, what: str) -> str:
-    from ..memory.fit import zero_section
+    from ..plan.fit import zero_section
 
     budget = result.budget_bytes
     lines = [f"fitting {_mib(budget)} of peak RSS per rank ({what}); candidates in order of cost per step:",
@@ -228,8 +228,8 @@ def render_fit(result, what: str) -> str:
 
 def run_peak(ns: argparse.Namespace) -> int:
     """Print the peak-RSS prediction, or the fit table with --fit-memory; returns the exit code."""
-    from ..memory.fit import fit_memory
-    from ..memory.peak_rss import predict_peak_rss
+    from ..plan.fit import fit_memory
+    from ..plan.peak_rss import predict_peak_rss
 
     budget: Optional[int] = _size(ns.fit_memory, "--fit-memory") if ns.fit_memory else None
     model, run, _, what = shapes(ns)

@@ -6,7 +6,7 @@
 
 This module owns the options, their help text and the error contract: a user mistake (a bad
 option or config, a missing folder) is one line on stderr and exit code 2, never a traceback. The
-job itself lives in `app/train.py`, the memory formulas in `memory/`, consolidation in `checkpoint/`.
+job itself lives in `app/train.py`, the estimates in `plan/`, consolidation in `checkpoint/`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Optional
 from ..errors import ConfigError, UsageError
 from ..models.gpt import MODEL_PRESETS
 from ..app.train_args import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_SAVE_EVERY, DEFAULT_STAGE, DEFAULT_STEPS
-from ..memory import OPTIMIZER_STATES, WHOLE_TENSOR_OPTIMIZERS
-from ..scaling.workload import parse_count
+from ..plan import OPTIMIZER_STATES, WHOLE_TENSOR_OPTIMIZERS
+from ..plan.scaling.workload import parse_count
 
 PAPER_MODELS = (7.5e9, 128e9, 1e12)
 PAPER_DP_DEGREES = (1, 4, 16, 64, 256, 1024)
@@ -150,7 +150,7 @@ def _add_estimate(sub) -> None:
                       "parameter count, plus activation and buffer memory")
     what.add_argument("--paper", action="store_true", help="print the paper's Table 1 (7.5B, 128B and 1T "
                       "parameters at DP degree 1 to 1024)")
-    from ..scaling.cli import add_cluster_options
+    from ..plan.scaling.cli import add_cluster_options
     add_cluster_options(p, what)
     p.add_argument("--world-size", type=int, metavar="N", help="data-parallel ranks (default 64 with --params, "
                    "2 with --model)")
@@ -235,7 +235,7 @@ def _unit(total_bytes: float) -> tuple[str, float]:
 def render_estimate(numel: float, world_size: int, precision: str, optimizer: str,
                     stages: tuple[int, ...] = (0, 1, 2, 3)) -> str:
     """The per-stage model-state table for one rank (decimal units, rounded as the paper's Table 1)."""
-    from ..memory import format_param_count, paper_round, precision_bytes, predict_model_state_bytes
+    from ..plan import format_param_count, paper_round, precision_bytes, predict_model_state_bytes
 
     p, g, k = precision_bytes(precision, optimizer)
     unit, size = _unit((p + g + k) * numel)
@@ -254,8 +254,8 @@ def render_estimate(numel: float, world_size: int, precision: str, optimizer: st
 def _render_model_extras(model: str, numel: int, world_size: int, precision: str, micro_batch: int,
                          seq_len: int, tp: int = 2) -> str:
     from ..config import ZeroOptimizationConfig
-    from ..memory import format_bytes
-    from ..memory.activation_memory import render_activation_table
+    from ..plan import format_bytes
+    from ..plan.activation_memory import render_activation_table
 
     cfg = MODEL_PRESETS[model]
     elem = 2 if precision == "mixed" else 4
@@ -265,7 +265,7 @@ def _render_model_extras(model: str, numel: int, world_size: int, precision: str
     return "\n".join([
         render_activation_table(cfg, micro_batch, seq_len, elem, tp),
         "  assumes: fused SDPA attention (no T x T matrix saved), dropout off, the loss's fp32 log-probabilities "
-        "(B*T*V*4 bytes); not sharded by ZeRO-DP, the same at every stage (memory/activation_memory.py)",
+        "(B*T*V*4 bytes); not sharded by ZeRO-DP, the same at every stage (plan/activation_memory.py)",
         "temporary buffers per rank, upper bounds from the config defaults (not in the table above):",
         f"  stage 2: a full gradient bucket while it is reduced, min(reduce_bucket_size, Psi) elements = "
         f"{format_bytes(bucket)}",
@@ -280,7 +280,7 @@ def _render_whole_tensor_imbalance(model: str, numel: int, world_size: int, opti
     import torch
 
     from ..models.gpt import GPT
-    from ..memory import whole_tensor_shard_numel
+    from ..plan import whole_tensor_shard_numel
 
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         shapes = [tuple(p.shape) for p in GPT(MODEL_PRESETS[model]).parameters()]
@@ -292,9 +292,9 @@ def _render_whole_tensor_imbalance(model: str, numel: int, world_size: int, opti
 
 
 def _cmd_estimate(ns: argparse.Namespace) -> int:
-    from ..memory import estimate_model_numel, render_paper_table
+    from ..plan import estimate_model_numel, render_paper_table
 
-    from ..scaling.cli import refuse_unused_options, run
+    from ..plan.scaling.cli import refuse_unused_options, run
 
     refuse_unused_options(ns)
     if ns.cluster is not None:
@@ -318,8 +318,8 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     stages = (0, 1, 2, 3) if ns.stage is None else (ns.stage,)
     print(render_estimate(numel, world, precision, ns.optimizer, stages))
     if ns.offload is not None or ns.offload_param is not None:
-        from ..memory import OPTIMIZER_STATES, precision_bytes
-        from ..offload.estimate import render_offload_estimate
+        from ..plan import OPTIMIZER_STATES, precision_bytes
+        from ..plan.offload_estimate import render_offload_estimate
 
         print(render_offload_estimate(numel, world, precision_bytes(precision, ns.optimizer),
                                       OPTIMIZER_STATES[ns.optimizer], ns.offload or "none", stages,

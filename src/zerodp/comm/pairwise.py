@@ -26,7 +26,7 @@ result may differ from a ring all-reduce in the last bits (a different associati
 
 [Note: pairwise order] Every exchange uses one tag. gloo queues sends and receives per peer and
 tag in issue order and matches them first-in first-out, and every rank issues its reductions in
-one order ([Note: collective order] in flat/reduce_queue.py), so several exchanges in flight
+one order ([Note: collective order] in grads/reduce_queue.py), so several exchanges in flight
 cannot mix their slices (tests/dist/test_pairwise_exchange.py checks it with several in flight).
 """
 

@@ -1,7 +1,7 @@
-"""Memory: the ZeRO paper's model-state formulas (`formulas.py`), what a rank actually holds (`report.py`),
-and each rank's peak RSS predicted before launch (`peak_rss.py`, `model_shape.py`, `baseline.py`, `fit.py`).
+"""Memory the runtime accounts for: what a live rank holds, measured against the paper's bytes per stage.
 
-`zerodp.memory` re-exports `formulas.py`, the estimator `zerodp estimate` prints.
+    model_states.py  the ZeRO paper's model-state bytes per rank at each stage (pure arithmetic)
+    report.py        MemoryReport: what this rank's engine actually holds (`engine.memory_report()`)
+
+Estimates made before launch (the paper's tables, peak RSS, what fits) are planners: `zerodp.plan`.
 """
-
-from .formulas import *  # noqa: F401,F403 (the estimator's API)

@@ -9,7 +9,7 @@ which includes an fp32 master copy if any):
     stage 3 (P_os+g+p)    (param_bytes + grad_bytes + K) * Psi / N
 
 (Rajbhandari et al., SC20, section 3 and Table 1.) Pure arithmetic: no torch, no process group. The
-engine's own report (report.py) compares what a rank holds against it; the planners (formulas.py,
+engine's own report (report.py) compares what a rank holds against it; the planners (plan/formulas.py,
 `zerodp estimate`) build their tables and limits on it.
 """
 

@@ -6,7 +6,7 @@ fused kernels), a GELU MLP, learned position embeddings and, by default, an outp
 the token embedding. Attention has no biases: a key bias gets an exactly-zero true gradient, and
 float noise there turns into sign-random Adam updates that make parity tests flaky.
 
-Parameter count (``estimate_model_numel`` in ``zerodp.memory`` keeps the same formula):
+Parameter count (``estimate_model_numel`` in ``zerodp.plan`` keeps the same formula):
 ``V*C + T*C + L*(12*C^2 + 9*C) + 2*C`` (+ ``V*C`` when the head is not tied),
 with V=vocab_size, T=block_size, L=n_layer, C=n_embd.
 """

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import torch
 
 from .. import comm
-from ..flat.grad_shard import square_norm
+from ..grads.grad_shard import square_norm
 from ..seams import ShardedUnit
 from ..tensor_parallel.mpu import check_mpu, mpu_call
 

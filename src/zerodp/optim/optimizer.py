@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from .. import comm
-from ..flat.grad_shard import square_norm
+from ..grads.grad_shard import square_norm
 from ..placement import Placement, placement_for_precision
 from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit

@@ -13,7 +13,7 @@ only this rank's slice persistently:
                                                      step; see [Note: secondary shards] (hpz.py)
 
 so at rest it holds (param + grad) * Psi_unit / N bytes, the paper's Pos+g+p. The optimizer and
-checkpoints see it through `seams.ShardedUnit`. Its gradients are a `flat.grad_shard.GradShard`
+checkpoints see it through `seams.ShardedUnit`. Its gradients are a `grads.grad_shard.GradShard`
 (the gradient life cycle every stage shares) that reduce-scatters through the `ShardGroup`.
 
 [Note: a unit owns its residency] With offload_param, `param_shard` keeps its shape and views but
@@ -49,8 +49,8 @@ from torch import nn
 
 from .. import comm
 from ..flat.buffer import FlatBuffer, free_storage
-from ..flat.grad_arithmetic import GradArithmetic
-from ..flat.grad_shard import GradShard
+from ..grads.grad_arithmetic import GradArithmetic
+from ..grads.grad_shard import GradShard
 from ..flat.whole_tensor_layout import layout_of
 from ..offload.null_store import NullShardStore
 from ..offload.shard_store import ShardStore

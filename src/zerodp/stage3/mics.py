@@ -11,7 +11,7 @@ shard, and form a replica group. Per unit and micro-step:
             ranks), then divide by N: every replica gets the gradient of the global batch
 so the inter-node traffic is the replica all-reduce alone (2 Psi/m per rank when blocks are nodes).
 What the ranks must agree on (which units need a second reduction round, which parameters got a
-gradient: flat/reduce_queue.py's control collective) is agreed over all N ranks, so every replica
+gradient: grads/reduce_queue.py's control collective) is agreed over all N ranks, so every replica
 takes the same decisions; gradient norms and overflow checks sum over the block only (the replicas'
 shards are the same values). Placement only: exact like plain stage 3. Checkpoints are plain
 stage 3's: the first block's ranks write the shards, every rank its RNG state.

@@ -15,7 +15,7 @@ from torch import nn
 from .. import comm
 from ..config import ZeroConfig
 from ..errors import ConfigError
-from ..flat.grad_arithmetic import GradArithmetic
+from ..grads.grad_arithmetic import GradArithmetic
 from ..offload.null_store import NullShardStore
 from ..offload.tier import build_grad_offload, build_param_offload
 from .flat_unit import FlatUnit

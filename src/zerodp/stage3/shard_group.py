@@ -15,7 +15,7 @@ interleave differently on different ranks, and the i-th collective of one rank w
 collective on the next rank (a hang, or silently mixed tensors). So reductions run on a second
 communicator over the same ranks (`reduce_group`), issued strictly in the unit order fixed at the
 start of each backward (see Stage3Sharding._launch_ready and [Note: collective order] in
-flat/reduce_queue.py); gathers and the small control collectives stay on the engine's group.
+grads/reduce_queue.py); gathers and the small control collectives stay on the engine's group.
 
 [Note: CUDA streams]
 On CUDA, gathers run on `gather_stream` and reductions on `reduce_stream`, so they overlap compute:
@@ -77,7 +77,7 @@ class ShardGroup:
                  quantized_weights: bool = False, quantized_gradients: bool = False,
                  secondary: Optional[SecondaryGroup] = None, replicated: Optional[ReplicatedShards] = None) -> None:
         self.device = device  # where its units' shards and gathered buffers live
-        # every rank of the job: what ranks agree on (flat/reduce_queue.py's control collective), write-backs
+        # every rank of the job: what ranks agree on (grads/reduce_queue.py's control collective), write-backs
         self.control_group = process_group
         self.replicated = replicated  # MiCS/HSDP: shards inside a block, replicated across blocks (mics.py), or None
         # the ranks a unit is sharded over (all of them, or this rank's MiCS block): gathers

@@ -20,11 +20,11 @@ issues them in one order, fixed at the start of each backward: trainable flat un
 first-use in the last forward (roughly the order backward completes them), then the rest. A unit
 is launched during backward only when it is complete (every parameter reported) and all units
 before it were launched; whatever is left goes at the end of backward (finish_micro_step), after one
-small control all-reduce (`flat.reduce_queue.ReduceQueue.finish`) tells
+small control all-reduce (`grads.reduce_queue.ReduceQueue.finish`) tells
 every rank how many rounds each unit needs (a "late" gradient after a unit's launch, as in a
 weight used by two re-entrant checkpointed regions, needs a second round). It launches round
 by round, in unit order, so the sequence of reductions is the same on every rank whatever each
-rank launched early. At most `flat.reduce_queue.MAX_INFLIGHT` reductions are in flight (none with overlap_comm=false:
+rank launched early. At most `grads.reduce_queue.MAX_INFLIGHT` reductions are in flight (none with overlap_comm=false:
 each is waited on as soon as it is launched); a full gradient buffer
 exists from a unit's first gradient of the micro-step until its reduction is waited on, so a unit
 that never completes (a parameter unused in this micro-step) delays the units after it to the end
@@ -45,7 +45,7 @@ from typing import ContextManager, Optional
 import torch
 from torch import nn
 
-from ..flat.reduce_queue import MAX_INFLIGHT, ReduceQueue
+from ..grads.reduce_queue import MAX_INFLIGHT, ReduceQueue
 from ..offload.null_store import NullShardStore
 from ..offload.shard_store import ShardStore
 from ..seams import ParamOffload
@@ -133,7 +133,7 @@ class Stage3Sharding:
 
     def _grad_hook(self, flat: FlatUnit, index: int):
         # runs once per parameter per backward: built by the gradient shard ([Note: hook cost] in
-        # flat/grad_shard.py), refusing gradients outside engine.backward (the schedule's in_backward)
+        # grads/grad_shard.py), refusing gradients outside engine.backward (the schedule's in_backward)
         owner = self._owner[id(flat)]
 
         def on_complete() -> None:

@@ -21,7 +21,7 @@ refuse p != 1 and prescale (an assert), and its stage 1 with reduce_scatter=true
 divides by N before the reduction); zerodp honours them at every stage. Both keys only change rounding
 and the range the sum passes through: the result is the rank average either way.
 
-Where the accumulation happens is the stage's policy (`flat.grad_shard.GradShard`): stages 0-1 add
+Where the accumulation happens is the stage's policy (`grads.grad_shard.GradShard`): stages 0-1 add
 micro-steps into the persistent full buffer and reduce it at the boundary; stages 2-3 reduce every
 micro-step and add the reduced slice into the persistent shard. Either way the persistent tensor is in
 grad_accum_dtype. A dtype of None means "the parameters' dtype" (DeepSpeed's default for both).

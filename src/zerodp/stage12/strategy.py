@@ -1,6 +1,6 @@
 """The stage 0-2 sharding strategy: `GradReducer`, what the engine drives (`seams.ShardingStrategy`).
 
-It hooks every bucket's parameters, reduces buckets through one `flat.reduce_queue.ReduceQueue` in
+It hooks every bucket's parameters, reduces buckets through one `grads.reduce_queue.ReduceQueue` in
 bucket order (see [Note: collective order] there) and, after the optimizer step, all-gathers the
 updated shards back into the full parameters (stages 1-2; stage 0 stepped them whole).
 """
@@ -13,7 +13,7 @@ from typing import ContextManager, Optional
 import torch
 
 from .. import comm
-from ..flat.reduce_queue import MAX_INFLIGHT, ReduceQueue
+from ..grads.reduce_queue import MAX_INFLIGHT, ReduceQueue
 from .buckets import GradBucket, ReducePolicy
 
 
@@ -52,7 +52,7 @@ class GradReducer:
 
     def _make_hook(self, bucket: GradBucket, index: int):
         # runs once per parameter per backward: built by the gradient shard ([Note: hook cost] in
-        # flat/grad_shard.py), refusing gradients outside engine.backward (self.in_backward)
+        # grads/grad_shard.py), refusing gradients outside engine.backward (self.in_backward)
         return bucket.grads.make_hook(index, self, self._on_bucket_complete)
 
     def _on_bucket_complete(self) -> None:
@@ -73,7 +73,7 @@ class GradReducer:
         whether the parameter got a gradient on any rank during the step; None otherwise.
         """
         self.in_backward = False
-        for bucket in self.buckets:  # [Note: gradients as buffer views] in flat/grad_shard.py
+        for bucket in self.buckets:  # [Note: gradients as buffer views] in grads/grad_shard.py
             bucket.grads.detach_grad_views()
         if not self.reducing_this_micro_step:
             return None

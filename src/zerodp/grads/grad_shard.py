@@ -6,7 +6,7 @@ into the flat full buffer and drops the parameter's own `.grad`; where the full 
 parameters' dtype (stages 0-1), autograd accumulates straight into it instead ([Note: gradients as
 buffer views]). A reduction (`launch`, then `wait`) sums the full
 buffer over ranks, divides by the number of ranks and leaves this rank's slice in `shard`; the dtypes
-and divisors are a `flat.grad_arithmetic.GradArithmetic`:
+and divisors are a `grads.grad_arithmetic.GradArithmetic`:
 
     IDLE --add_grad--> FILLING --launch--> REDUCING --wait--> REDUCED
       \\_______________launch______________/                     |
@@ -44,9 +44,9 @@ from typing import Callable, ContextManager, NamedTuple, Optional
 import torch
 
 from .. import comm
-from .buffer import FlatBuffer, alloc_storage, free_storage
+from ..flat.buffer import FlatBuffer, alloc_storage, free_storage
+from ..flat.layout import FlatLayout
 from .grad_arithmetic import GradArithmetic
-from .layout import FlatLayout
 from .split_reduce import SplitReduce
 
 # (output slice, full buffer, async_op) -> handle; sums `full` over ranks, this rank's slice in output
@@ -93,7 +93,7 @@ class GradShard:
         self._reduce = reduce
         accum_dtype = arithmetic.accum_dtype_for(first.dtype)
         # torch_autocast: the safe modules' gradients are summed in their own dtype; a unit holding both kinds
-        # reduces in two collectives (flat/split_reduce.py), the buffer in the other parameters' dtype
+        # reduces in two collectives (grads/split_reduce.py), the buffer in the other parameters' dtype
         low = [id(p) in arithmetic.low_precision_ids for p in params]
         self.split = SplitReduce(layout, low, arithmetic.low_precision_dtype) if any(low) and not all(low) else None
         self.comm_dtype = arithmetic.comm_dtype_of(next((p for p, is_low in zip(params, low) if not is_low), first))

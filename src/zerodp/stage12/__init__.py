@@ -1,7 +1,8 @@
-"""ZeRO stages 0, 1 and 2 (DDP, Pos, Pos+g): every rank keeps every parameter whole, in gradient buckets.
+"""ZeRO stages 0, 1 and 2 (DDP, the paper's P_os and P_os+g): parameters replicated, optimizer state (and
+from stage 2 gradients) sharded; every rank keeps every parameter whole, in gradient buckets.
 
-The name says what these three stages share and stage 3 does not: parameters are replicated, never
-sharded, so forward and backward run on the full model with no gather. They differ only by policy
+What these three stages share and stage 3 does not: parameters are replicated, never sharded, so
+forward and backward run on the full model with no gather. They differ only by policy
 (`buckets.ReducePolicy`): from stage 1 each rank steps only its shard of the optimizer state (and
 all-gathers the updated parameters after the step); stage 2 also keeps only its shard of the reduced
 gradients, reduced after every micro-step. Stage 3, whose parameters are sharded too, is `stage3/`.

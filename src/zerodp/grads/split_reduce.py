@@ -2,7 +2,7 @@
 
 Under torch_autocast (zerodp/autocast.py) the lower-precision-safe modules' gradients are summed over
 ranks in the autocast dtype and every other gradient in fp32. Stage 0-2 buckets never mix the two
-(replicated_params/buckets.py splits them); a stage-3 unit is a module and may hold both (a transformer block's
+(stage12/buckets.py splits them); a stage-3 unit is a module and may hold both (a transformer block's
 Linear weights and its LayerNorm gains). Its reduction then runs as two collectives over the same
 layout, so that every element is summed in its own dtype with the arithmetic of a one-dtype reduction:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import FlatLayout
+from ..flat.layout import FlatLayout
 
 
 class SplitReduce:

@@ -17,7 +17,7 @@ torch, no process group. Ranks are CPU processes: without a GPU, "device" memory
 time, so the forward's fullest moment is its end, which is also where backward starts. Backward
 then walks the units in reverse: the activations of the units not yet passed are still saved,
 the current unit and the one prefetched behind it are gathered, the current unit's full gradient
-buffer fills while at most two earlier ones are being reduced (`flat/reduce_queue.MAX_INFLIGHT`,
+buffer fills while at most two earlier ones are being reduced (`grads/reduce_queue.MAX_INFLIGHT`,
 each with gloo's receive buffer of (N-1)/N of it), and with fp32 gradient shards offloaded the
 gradient cache fills as reductions deliver. Activations fall while the gradient cache grows, so
 the peak may be anywhere in between: every unit boundary is evaluated. The step holds the offload
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-# Reductions in flight during backward (flat/reduce_queue.MAX_INFLIGHT; repeated here so the
+# Reductions in flight during backward (grads/reduce_queue.MAX_INFLIGHT; repeated here so the
 # estimator needs no torch).
 REDUCTIONS_IN_FLIGHT = 2
 
@@ -248,7 +248,7 @@ def predict_peak_rss(model: ModelShape, run: RunShape, baseline_bytes: float) ->
     moments.append(("optimizer step", [RssTerm("gradient shard cache", full_cache, "every shard delivered, "
                                                "up to max_in_cpu")]))
     moment, working = max(moments, key=lambda m: sum(t.bytes for t in m[1]))
-    terms = [RssTerm("baseline", baseline_bytes, "python + torch + zerodp + gloo on this machine (memory/baseline.py)")]
+    terms = [RssTerm("baseline", baseline_bytes, "python + torch + zerodp + gloo on this machine (plan/baseline.py)")]
     terms += states + io + [t for t in working if t.bytes or t.name == "activations"]
     notes = []
     if not run.maps_large_buffers:  # [Note: heap retention]

@@ -18,7 +18,7 @@ recomputation), which costs time but does not count towards MFU.
 
 from __future__ import annotations
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 from dataclasses import dataclass
 

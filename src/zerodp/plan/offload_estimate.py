@@ -3,7 +3,7 @@ stage (device memory, host memory, disk), from the tier arithmetic of offload/fo
 
 from __future__ import annotations
 
-from .footprint import OffloadBytes, predict_offload_bytes, predict_param_offload_bytes  # noqa: F401
+from ..offload.footprint import OffloadBytes, predict_offload_bytes, predict_param_offload_bytes  # noqa: F401
 
 
 def render_offload_estimate(numel: float, world_size: int, precision_bytes: tuple[int, int, int], n_states: int,

@@ -1,7 +1,7 @@
 """Gradient buckets, the communication units of stages 0, 1 and 2: `GradBucket` and `build_buckets`.
 
 A `GradBucket` holds the parameters of one optimizer param group as views into one flat, padded
-parameter buffer, and their gradients in one `flat.grad_shard.GradShard` (the gradient life cycle
+parameter buffer, and their gradients in one `grads.grad_shard.GradShard` (the gradient life cycle
 every stage shares). The strategy (`strategy.GradReducer`) launches a bucket's reduction as soon as
 every parameter of it has reported, so it overlaps with the rest of backward.
 
@@ -23,8 +23,8 @@ import torch
 
 from .. import comm
 from ..flat.buffer import FlatBuffer
-from ..flat.grad_arithmetic import GradArithmetic
-from ..flat.grad_shard import GradShard
+from ..grads.grad_arithmetic import GradArithmetic
+from ..grads.grad_shard import GradShard
 from ..flat.whole_tensor_layout import layout_of
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..memory.formulas import precision_bytes, predict_model_state_bytes
+from ..formulas import precision_bytes, predict_model_state_bytes
 from .cluster import ClusterSpec
 from .plan import Layout, Phase, Transfer, plan, tensor_parallel_transfers
 from .workload import Workload

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import UsageError
+from ...errors import UsageError
 from .cluster import CLUSTERS
 from .plan import MODES
 from .report import GLOBAL_TOKENS, HEADER, MICRO_TOKENS, prediction_cells, cluster_line, grid, text_table

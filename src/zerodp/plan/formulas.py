@@ -12,8 +12,8 @@ Mixed-precision Adam is (2, 2, 12): 16 Psi bytes unsharded, as in the paper (Raj
 SC20, section 3 and Table 1). These are the paper's exact divisions; an implementation pads each
 flat buffer to a multiple of N (and maybe an alignment), so a measured shard can exceed Psi/N by
 a few elements per rank. Pure arithmetic: no torch, no process group. The stage formula itself lives in
-model_states.py, beside the engine's own report (report.py), which compares its measurement against it;
-this module builds the planner's tables and limits on it.
+memory/model_states.py (the runtime's), beside the engine's own report (memory/report.py), which compares
+its measurement against it; this module builds the planner's tables and limits on it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol, Sequence
 
-from .model_states import ModelStateBytes, check_stage, predict_model_state_bytes  # noqa: F401 (zerodp.memory's API)
+from ..memory.model_states import ModelStateBytes, check_stage, predict_model_state_bytes  # noqa: F401 (zerodp.plan's)
 
 GB = 10**9  # the paper's tables use decimal gigabytes
 
