@@ -33,7 +33,7 @@ train: setup
 # `zerodp train`'s GPU defaults would otherwise change (e.g. --nproc 2 on one GPU is refused). Fails if either failed.
 FAST_TESTS := tests/unit tests/e2e/test_cli.py tests/e2e/test_docs.py
 test: setup
-	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE -m "not slow" tests/unit tests/dist tests/hf tests/e2e; \
+	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE --durations 15 -m "not slow" tests/unit tests/dist tests/hf tests/e2e; \
 	cpu=$$?; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE -m "not slow" tests/gpu; gpu=$$?; \
 	test $$cpu -eq 0 -a $$gpu -eq 0
 
