@@ -13,8 +13,10 @@ from zerodp import host_memory
 
 
 def test_import_zerodp_runs_no_library_lookup():
-    """ctypes.util.find_library runs a subprocess (ldconfig, gcc); it must not run at import."""
-    probe = ("import ctypes.util, sys\n"
+    """ctypes.util.find_library runs a subprocess (ldconfig, gcc); zerodp must not run it at import. torch is
+    imported first: PyPI's CUDA build of torch looks up libdl itself at import (cuda.pathfinder), which is
+    torch's cost, not zerodp's."""
+    probe = ("import ctypes.util, sys, torch\n"
              "calls = []\n"
              "real = ctypes.util.find_library\n"
              "ctypes.util.find_library = lambda name: calls.append(name) or real(name)\n"
