@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import watchdog
+from . import local_groups, watchdog
 from .backend import default_backend
 from .group import ProcessGroup, backend_name, is_initialized, issues_no_collectives
 
@@ -110,16 +110,15 @@ def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
         return group
     whole_world = group is None or group is dist.group.WORLD
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    # note: a group made with use_local_synchronization is named by a hash of its ranks and of the number
-    # of live groups, so a group made after another was destroyed (engine.close) gets the dead one's name
-    # and store keys, and gloo connects to the dead group's ports ("connectFullMesh failed ... Connection
-    # refused"). Over the whole world every rank calls this, so the counter-named, globally synchronized
-    # form applies; a subgroup's ranks alone call it and need local synchronization.
-    return dist.new_group(ranks, backend=backend_name(group), use_local_synchronization=not whole_world)
+    if whole_world:
+        # every rank calls this: torch's counter-named, globally synchronized form, whose names never repeat
+        return dist.new_group(ranks, backend=backend_name(group))
+    return local_groups.local_group(ranks, backend_name(group))  # [Note: local communicators]
 
 
 def destroy_group(group: ProcessGroup, made_from: ProcessGroup = None) -> None:
-    """Destroy `group`, a communicator `new_group_like(made_from)` returned, joining its threads.
+    """Destroy `group`, a communicator `new_group_like(made_from)` returned, joining its threads (or keep
+    one that only some ranks made, for the next engine over them: [Note: local communicators]).
 
     No-op where new_group_like returned `made_from` itself (one rank) or the default group is gone
     already (destroying it destroyed every group made from it). Why it matters: a gloo group left
@@ -128,4 +127,5 @@ def destroy_group(group: ProcessGroup, made_from: ProcessGroup = None) -> None:
     """
     if group is None or group is made_from or not is_initialized():
         return
-    dist.destroy_process_group(group)
+    if not local_groups.give_back(group):  # kept for the next engine over its ranks: [Note: local communicators]
+        dist.destroy_process_group(group)

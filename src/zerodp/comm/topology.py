@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from .local_groups import local_group
+
 
 # no import of collectives.py: it labels every record with `crosses_nodes`, so this module sits below it
 
@@ -88,11 +90,17 @@ def consecutive_groups(size: int, group=None):
         inside = start <= me < start + size
         if local and not inside:
             continue
-        block = dist.new_group(ranks[start:start + size], backend=str(dist.get_backend(group)),
-                               use_local_synchronization=local)
+        block = _make(ranks[start:start + size], group, local)
         if inside:
             mine = block
     return mine
+
+
+def _make(ranks: list[int], group, local: bool):
+    """A communicator over `ranks`: made by every rank of the job, or (`local`) by those ranks alone, then
+    kept for reuse instead of destroyed ([Note: local communicators] in local_groups.py)."""
+    backend = str(dist.get_backend(group))
+    return local_group(ranks, backend) if local else dist.new_group(ranks, backend=backend)
 
 
 def strided_groups(size: int, group=None):
@@ -109,8 +117,7 @@ def strided_groups(size: int, group=None):
         inside = me % size == position
         if local and not inside:
             continue
-        made = dist.new_group(ranks[position::size], backend=str(dist.get_backend(group)),
-                              use_local_synchronization=local)
+        made = _make(ranks[position::size], group, local)
         if inside:
             mine = made
     return mine
