@@ -89,3 +89,14 @@ def test_a_bf16_step_reads_one_device_value(stage):
         assert len(device_reads) == 1, device_reads
         assert device_reads[0][0] == "__bool__" and "optimizer.py" in device_reads[0][1], device_reads
         assert isinstance(engine.grad_norm, float) and engine.grad_norm > 0  # still a float for whoever asks
+
+
+@pytest.mark.parametrize("backend,expected", [("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cpu"), ("gloo", "cpu"),
+                                              ("cpu:gloo, cuda:nccl", "cpu")])
+def test_the_control_flags_stay_on_the_host_where_the_group_reduces_cpu_tensors(monkeypatch, backend, expected):
+    """A group that reduces CPU tensors agrees on the host: no wait for the GPU's backward (a device value)."""
+    from zerodp import comm
+    from zerodp.grads.reduce_queue import control_device
+
+    monkeypatch.setattr(comm, "backend_name", lambda group=None: backend)
+    assert control_device(None, torch.device("cuda", 0)).type == expected

@@ -22,16 +22,17 @@ as DDP does, so their remaining buckets are launched before the control collecti
 a unit that no rank touched, so it agrees first and launches after.
 
 [Note: the control collective's one read] The agreement has to reach the host (the round loop below
-is Python), so on a GPU it is a device sync: the host waits for the whole backward queued so far.
-It is read once (`tolist`), rounds and received flags together; the flags were a second read
-(`.cpu()`) before. It cannot be skipped at world size > 1: whether another rank had a late gradient
+is Python), so with NCCL it is a device sync: the host waits for the whole backward queued so far.
+It is read once (`tolist`), rounds and received flags together (the flags were a second read,
+`.cpu()`, before). It cannot be skipped at world size > 1: whether another rank had a late gradient
 (a weight used in two re-entrant checkpointed regions, a hook that fired after its bucket launched)
 or left a parameter unused is known only to that rank, and a round one rank runs alone hangs the
-others (or, NCCL, silently mixes the next collective's tensors: [Note: collective order]). With one
-rank and collectives skipped there is nobody to agree with: the local counts are the answer and no
-tensor is built, sent or read. (A cheaper form for world > 1 would run it on a CPU (gloo) group: a
-host exchange that waits for the other ranks' hosts, not for this rank's GPU; the groups are
-comm/process_group.py's.)
+others (or, NCCL, silently mixes the next collective's tensors: [Note: collective order]). It is
+cheaper on a CPU backend: where the group also reduces CPU tensors (gloo, DeepSpeed's
+"cpu:gloo,cuda:nccl") the flags stay on the host (`control_device`) and the exchange waits for the
+other ranks' hosts, not for this rank's GPU (zerodp's own groups on a GPU are NCCL alone:
+comm/process_group.py). With one rank and collectives skipped there is nobody to agree with: the
+local counts are the answer, and no tensor is built, sent or read.
 """
 
 from __future__ import annotations
@@ -53,13 +54,21 @@ from .grad_shard import GradShard, GradState
 MAX_INFLIGHT = 2
 
 
+def control_device(group: comm.ProcessGroup, device: torch.device) -> torch.device:
+    """Where the control flags travel: the host where `group` reduces CPU tensors (gloo, or DeepSpeed's
+    "cpu:gloo,cuda:nccl"), so that agreeing waits for the other ranks' hosts and not for this rank's GPU
+    ([Note: the control collective's one read]); else `device` (NCCL alone reduces CUDA tensors only)."""
+    entries = [e.replace(" ", "") for e in comm.backend_name(group).split(",")]
+    return torch.device("cpu") if any(e in ("gloo", "cpu:gloo") for e in entries) else torch.device(device)
+
+
 class ReduceQueue:
     """Launches the reductions of `GradShard`s in one order on every rank (module docstring)."""
 
     def __init__(self, process_group: comm.ProcessGroup, device: torch.device, *, async_op: bool,
                  max_inflight: Optional[int], reduce_all: bool) -> None:
         self.process_group = process_group
-        self.device = device              # the control collective's device (NCCL: CUDA)
+        self.device = control_device(process_group, device)  # the control collective's (NCCL alone: CUDA)
         self.async_op = async_op
         self.max_inflight = max_inflight  # None: unbounded; 0: wait for each at once
         self.reduce_all = reduce_all

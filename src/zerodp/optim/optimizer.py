@@ -25,8 +25,11 @@ row and column moments are neither elementwise nor scalar): `tensor_states_of` p
 One step, in order (every rank runs the same collectives):
   1. fp16: any inf/nan in any rank's gradient shard skips the step on every rank (one flag all-reduce).
   2. unscale; global gradient norm = sqrt(sum over ranks of local squares): the unsharded model's norm.
-     A non-finite norm (bf16/fp32) returns NONFINITE before anything is written (see nonfinite.py).
-  3. clip with torch's rule: coef = min(1, max_norm / (norm + 1e-6)).
+  3. clip with torch's rule: coef = min(1, max_norm / (norm + 1e-6)), computed on the device; the
+     gradients are multiplied by it (by 1.0 when not clipped: exact). A non-finite norm (bf16/fp32)
+     returns NONFINITE before anything is written (see nonfinite.py): whether the norm is finite is
+     the step's one host read of a device value in bf16/fp32 (issue 32; fp16's overflow vote is
+     another), and the norm's value is read only when someone asks for `last_grad_norm`.
   4. step the inner optimizer; parameters that got no gradient anywhere are restored afterwards,
      as torch skips parameters whose .grad is None.
   5. copy masters into the parameter shards (the engine then has the strategy re-assemble full
