@@ -1,10 +1,10 @@
 """Host reads of tensor values during a training step (issue 32: the step is host-bound on a GPU, and every
 read of a device value is a sync that stalls the host's run-ahead). Counted on the CPU over one bf16
-micro-step and optimizer step with clipping, world size 1: `.item()`, `.tolist()`, `float/int/bool(t)`,
+micro-step and optimizer step with clipping (bf16, fp32, fp16), world size 1: `.item()`, `.tolist()`, `float/int/bool(t)`,
 `.numpy()` and `.cpu()` of any tensor, except reads of what lives on the host by design on a GPU run too
 (the received flags the control collective returns, torch's per-parameter `step` counters), which cost no
 sync. What must remain: one, whether the global norm is finite (optim/optimizer.py `step`: the `nonfinite`
-policy must know before the first write). The clip coefficient stays on the device (torch's
+policy must know before the first write), or in fp16 the overflow vote (one flag for all units). The clip coefficient stays on the device (torch's
 clip_grad_norm_ rule), the norm is read only when someone asks for `engine.grad_norm`, and one rank asks
 nobody about its reduction rounds (grads/reduce_queue.py [Note: the control collective's one read])."""
 
@@ -69,10 +69,12 @@ class HostReads(TorchFunctionMode):
         return out
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "fp16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_bf16_step_reads_one_device_value(stage):
-    cfg = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "gradient_clipping": 0.05,
-           "zero_optimization": {"stage": stage}}
+def test_a_step_reads_one_device_value(stage, precision):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
     model = make_model()
     with zerodp.initialize(model, make_optimizer("adamw", model), cfg) as engine:
         x, y = global_batch(0, 4)
@@ -87,7 +89,9 @@ def test_a_bf16_step_reads_one_device_value(stage):
             engine.step()
         device_reads = mode.reads
         assert len(device_reads) == 1, device_reads
-        assert device_reads[0][0] == "__bool__" and "optimizer.py" in device_reads[0][1], device_reads
+        # bf16/fp32: whether the norm is finite (nonfinite policy); fp16: the overflow vote, which implies it
+        expected = ("item", "collectives.py") if precision == "fp16" else ("__bool__", "optimizer.py")
+        assert device_reads[0][0] == expected[0] and expected[1] in device_reads[0][1], device_reads
         assert isinstance(engine.grad_norm, float) and engine.grad_norm > 0  # still a float for whoever asks
 
 

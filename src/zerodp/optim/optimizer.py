@@ -170,8 +170,10 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
     # -- the step ------------------------------------------------------------------------------
 
     def _overflow(self) -> bool:
-        local = any(not bool(torch.isfinite(u.grad_shard).all()) for u in self.units)
-        # note: a sync point; every rank must agree before anyone steps
+        # one flag on the device for all units, read once with the vote (it was one read per unit before)
+        bad = [torch.isfinite(u.grad_shard).all().logical_not() for u in self.units]
+        local = torch.stack(bad).any() if bad else False
+        # note: a sync point, the fp16 step's one read; every rank must agree before anyone steps
         overflow = comm.all_reduce_max_flag(local, self.process_group, tag="control")
         return overflow if self.model_parallel is None else self.model_parallel.any_overflow(overflow)
 
@@ -251,7 +253,9 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         # must not reach the masters (nonfinite.py) and torch's optimizers cannot skip on a device flag, so the
         # host must know before the first write; it asks as late as that, after the binding above, while the
         # device finishes the backward. The value itself stays on the device (`last_grad_norm` reads it).
-        if not bool(torch.isfinite(norm)):
+        # fp16: the overflow vote passed, every gradient is finite: the norm's check needs no read of its own (a
+        # float32 overflow of the norm would need elements near 1e19; the coefficient would then be 1, no NaN)
+        if not check_overflow and not bool(torch.isfinite(norm)):
             # the same on every rank (the norm is global): see nonfinite.py
             self.plan.drop_grads()
             self.last_step_skipped = True
