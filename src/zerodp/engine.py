@@ -166,6 +166,7 @@ class ZeroEngine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         boundary = self.is_accumulation_boundary
         self.sharding.start_micro_step(reduce=boundary or self.sharding.reduces_every_micro_step)
+        self.optimizer.expect_final_grads(boundary)  # ZeRO-Offload: copy the step's gradients as they are reduced
         scale = self.scaler.scale / (self.gradient_accumulation_steps if divide_by_accumulation_steps else 1)
         # A tensor, not a Python bool: reading it would be a device sync every micro-step.
         finite = torch.isfinite(loss.detach())
@@ -212,7 +213,9 @@ class ZeroEngine:
         if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
             self.lr_scheduler.step()
         self._maybe_log()
-        self.monitor.after_step(self.global_step, self.get_lr()[0], self.loss_scale, self.grad_norm)
+        # the norm as a device tensor: the monitor reads it only when it writes events (no sync per step otherwise)
+        self.monitor.after_step(self.global_step, self.get_lr()[0], self.loss_scale,
+                                self.optimizer.last_grad_norm_tensor)
 
     def _on_nonfinite(self) -> None:
         """Every rank is here together (the norm is global): name the cause, then stop or skip."""

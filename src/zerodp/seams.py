@@ -24,12 +24,15 @@ is offloaded those blocks are empty. Nobody above the units and the strategy tou
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, ContextManager, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
 from .flat.layout import FlatLayout
+
+if TYPE_CHECKING:  # annotation only: grads/ imports nothing from here, but keep the layering one way
+    from .grads.grad_shard import GradShard
 
 
 @runtime_checkable
@@ -41,6 +44,7 @@ class ShardedUnit(Protocol):
     group_index: int            # the user's optimizer group (-1: frozen)
     layout: FlatLayout
     shard_index: int            # which of layout.num_shards slices this rank holds
+    grads: GradShard            # its gradient life cycle (a host step observes its deliveries: step_plan.py)
 
     # this rank's parameter slice (the model computes on it); storage only inside resident() if param_offloaded
     @property

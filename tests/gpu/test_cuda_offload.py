@@ -59,6 +59,11 @@ def run(config: dict) -> tuple[list[float], dict]:
             assert engine.placement.steps_on_host
             assert all(m.device.type == "cpu" for m in engine.optimizer.masters)
             assert engine.optimizer.state_of(0)["exp_avg"].device.type == "cpu"
+            # the gradients reached the host as they were reduced (optim/grad_staging.py), not all at the step;
+            # fp32 shards resting in files (offload_param nvme) are read per window at the step instead
+            staging = engine.optimizer.plan.staging
+            if not all(unit.grad_offloaded for unit in engine.units):
+                assert staging.staged_copies >= STEPS and staging.nbytes() > 0
         assert all(p.device.type == "cuda" for p in engine.module.parameters())
         return losses, engine.full_state_dict()
 

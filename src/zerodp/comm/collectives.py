@@ -335,11 +335,16 @@ def all_gather_object(obj, group: ProcessGroup = None) -> list:
     return out
 
 
-def all_reduce_max_flag(flag: bool, group: ProcessGroup = None, *, tag: str = "") -> bool:
-    """True on every rank if `flag` is true on any rank (e.g. an fp16 overflow somewhere)."""
-    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=_device_for(group))
+def all_reduce_max_flag(flag, group: ProcessGroup = None, *, tag: str = "") -> bool:
+    """True on every rank if `flag` (a bool, or a bool tensor not yet read: one host read in all) is true on any
+    rank (e.g. an fp16 overflow somewhere)."""
+    device = _device_for(group)
+    if isinstance(flag, torch.Tensor):
+        t = flag.reshape(1).to(device=device, dtype=torch.float32)
+    else:
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=device)
     all_reduce(t, group, op=dist.ReduceOp.MAX, tag=tag)
-    return bool(t.item() > 0)
+    return bool(t.item() > 0)  # note: a sync point
 
 
 def _device_for(group: ProcessGroup) -> torch.device:

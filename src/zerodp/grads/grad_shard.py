@@ -318,6 +318,9 @@ class GradShard:
 
     def wait(self) -> None:
         """Finish the reduction in flight, if any: average over ranks into `shard`."""
+        # any write of `shard` after a delivery follows a wait(): observers order it after their reads of it
+        for observer in self._observers:
+            observer.before_write(self.shard)
         if self.state is not GradState.REDUCING:
             return
         pending, self._pending = self._pending, None
@@ -337,6 +340,14 @@ class GradShard:
         self._deliver(reduced)
         self._to(GradState.REDUCED)
 
+    _observers: tuple = ()  # told around each delivery (optim/grad_staging.py: ZeRO-Offload's host copy)
+
+    def observe_deliveries(self, observer) -> None:
+        """Call `observer.before_write(shard)` at every `wait()` (before anything may write `shard` again) and
+        `observer.after_write(shard)` after every delivery of a reduced slice into it (for a shard without a
+        `home`: one with a home is read where it rests)."""
+        self._observers = self._observers + (observer,)
+
     def _deliver(self, reduced: torch.Tensor) -> None:
         """Put a reduced slice into this rank's shard; see [Note: reduced shard destination]."""
         if self.home is not None:
@@ -350,6 +361,8 @@ class GradShard:
         elif self._stash is not None:
             reduced.add_(self._stash)  # reduced is `shard` itself
             self._stash = None
+        for observer in self._observers:
+            observer.after_write(self.shard)
 
     def start_micro_step(self) -> None:
         """Before a backward: forget who reported (gradients keep accumulating)."""

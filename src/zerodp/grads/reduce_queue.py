@@ -20,6 +20,19 @@ gradient on any rank since the last optimizer step (the optimizer leaves the oth
 Policy (`reduce_all`): stages 0-2 reduce every bucket at every reducing micro-step, gradient or not,
 as DDP does, so their remaining buckets are launched before the control collective; stage 3 skips
 a unit that no rank touched, so it agrees first and launches after.
+
+[Note: the control collective's one read] The agreement has to reach the host (the round loop below
+is Python), so with NCCL it is a device sync: the host waits for the whole backward queued so far.
+It is read once (`tolist`), rounds and received flags together (the flags were a second read,
+`.cpu()`, before). It cannot be skipped at world size > 1: whether another rank had a late gradient
+(a weight used in two re-entrant checkpointed regions, a hook that fired after its bucket launched)
+or left a parameter unused is known only to that rank, and a round one rank runs alone hangs the
+others (or, NCCL, silently mixes the next collective's tensors: [Note: collective order]). It is
+cheaper on a CPU backend: where the group also reduces CPU tensors (gloo, DeepSpeed's
+"cpu:gloo,cuda:nccl") the flags stay on the host (`control_device`) and the exchange waits for the
+other ranks' hosts, not for this rank's GPU (zerodp's own groups on a GPU are NCCL alone:
+comm/process_group.py). With one rank and collectives skipped there is nobody to agree with: the
+local counts are the answer, and no tensor is built, sent or read.
 """
 
 from __future__ import annotations
@@ -41,13 +54,21 @@ from .grad_shard import GradShard, GradState
 MAX_INFLIGHT = 2
 
 
+def control_device(group: comm.ProcessGroup, device: torch.device) -> torch.device:
+    """Where the control flags travel: the host where `group` reduces CPU tensors (gloo, or DeepSpeed's
+    "cpu:gloo,cuda:nccl"), so that agreeing waits for the other ranks' hosts and not for this rank's GPU
+    ([Note: the control collective's one read]); else `device` (NCCL alone reduces CUDA tensors only)."""
+    entries = [e.replace(" ", "") for e in comm.backend_name(group).split(",")]
+    return torch.device("cpu") if any(e in ("gloo", "cpu:gloo") for e in entries) else torch.device(device)
+
+
 class ReduceQueue:
     """Launches the reductions of `GradShard`s in one order on every rank (module docstring)."""
 
     def __init__(self, process_group: comm.ProcessGroup, device: torch.device, *, async_op: bool,
                  max_inflight: Optional[int], reduce_all: bool) -> None:
         self.process_group = process_group
-        self.device = device              # the control collective's device (NCCL: CUDA)
+        self.device = control_device(process_group, device)  # the control collective's (NCCL alone: CUDA)
         self.async_op = async_op
         self.max_inflight = max_inflight  # None: unbounded; 0: wait for each at once
         self.reduce_all = reduce_all
@@ -90,12 +111,20 @@ class ReduceQueue:
                 self._launch(g)
             self._next = len(order)
         need = [g.rounds_launched + (1 if g.state is GradState.FILLING else 0) for g in order]
-        parts = [torch.tensor(need, dtype=torch.float32)]
-        if boundary:
-            parts += [g.received.float() for g in units]
-        flags = torch.cat(parts).to(self.device)
-        comm.all_reduce(flags, self.process_group, op=dist.ReduceOp.MAX, tag="control")
-        target = [int(t) for t in flags[:len(order)].tolist()]
+        received = [g.received for g in units] if boundary else []
+        if comm.issues_no_collectives(self.process_group):
+            # One rank, collectives skipped: the agreement is this rank's own counts. Nothing goes through the
+            # device, so nothing is read back from it ([Note: the control collective's one read]).
+            target = need
+            agreed = (torch.cat(received) if received else torch.zeros(0, dtype=torch.bool)) if boundary else None
+        else:
+            flags = torch.cat([torch.tensor(need, dtype=torch.float32)] + [r.float() for r in received])
+            flags = flags.to(self.device)
+            comm.all_reduce(flags, self.process_group, op=dist.ReduceOp.MAX, tag="control")
+            # note: a sync point, the step's only one in this method ([Note: the control collective's one read])
+            values = [int(v) for v in flags.tolist()]
+            target = values[:len(order)]
+            agreed = torch.tensor(values[len(order):], dtype=torch.bool) if boundary else None
         for round_ in range(1, max(target, default=0) + 1):  # round-major: the same sequence on every rank
             for g, rounds in zip(order, target):
                 if g.rounds_launched < round_ <= rounds:
@@ -104,4 +133,4 @@ class ReduceQueue:
         for g in order:
             g.wait()
         self._inflight.clear()
-        return (flags[len(order):] > 0).cpu() if boundary else None
+        return agreed

@@ -25,8 +25,11 @@ row and column moments are neither elementwise nor scalar): `tensor_states_of` p
 One step, in order (every rank runs the same collectives):
   1. fp16: any inf/nan in any rank's gradient shard skips the step on every rank (one flag all-reduce).
   2. unscale; global gradient norm = sqrt(sum over ranks of local squares): the unsharded model's norm.
-     A non-finite norm (bf16/fp32) returns NONFINITE before anything is written (see nonfinite.py).
-  3. clip with torch's rule: coef = min(1, max_norm / (norm + 1e-6)).
+  3. clip with torch's rule: coef = min(1, max_norm / (norm + 1e-6)), computed on the device; the
+     gradients are multiplied by it (by 1.0 when not clipped: exact). A non-finite norm (bf16/fp32)
+     returns NONFINITE before anything is written (see nonfinite.py): whether the norm is finite is
+     the step's one host read of a device value in bf16/fp32 (issue 32; fp16's overflow vote is
+     another), and the norm's value is read only when someone asks for `last_grad_norm`.
   4. step the inner optimizer; parameters that got no gradient anywhere are restored afterwards,
      as torch skips parameters whose .grad is None.
   5. copy masters into the parameter shards (the engine then has the strategy re-assemble full
@@ -122,7 +125,8 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             offload.attach(self.optimizer, self.chunks)
         # the windows, residency, gradient binding and write-back of every step (step_plan.py)
         self.plan = StepPlan(units, self.chunks, self.masters, self.placement, self.chunk_numel, offload)
-        self.last_grad_norm: Optional[float] = None
+        self._norm: Optional[torch.Tensor] = None       # the last step's global norm, on the device, unread
+        self._norm_value: Optional[float] = None        # ... read once, when someone asks (last_grad_norm)
         self.last_step_skipped = False
 
     def _split(self, unit: ShardedUnit, master: torch.Tensor) -> list[torch.Tensor]:
@@ -166,22 +170,54 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
     # -- the step ------------------------------------------------------------------------------
 
     def _overflow(self) -> bool:
-        local = any(not bool(torch.isfinite(u.grad_shard).all()) for u in self.units)
-        # note: a sync point; every rank must agree before anyone steps
+        # one flag on the device for all units, read once with the vote (it was one read per unit before)
+        bad = [torch.isfinite(u.grad_shard).all().logical_not() for u in self.units]
+        local = torch.stack(bad).any() if bad else False
+        # note: a sync point, the fp16 step's one read; every rank must agree before anyone steps
         overflow = comm.all_reduce_max_flag(local, self.process_group, tag="control")
         return overflow if self.model_parallel is None else self.model_parallel.any_overflow(overflow)
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The unsharded model's gradient norm, a float64 tensor on the gradients' device (not read here)."""
         if self.model_parallel is not None:  # sharded parameters summed over tensor-parallel ranks, others once
             sq = self.model_parallel.square_norms(self.units, grads)
-            return math.sqrt(self.model_parallel.global_norm_squared(sq, self.process_group, self.sharded))
+            norm = math.sqrt(self.model_parallel.global_norm_squared(sq, self.process_group, self.sharded))
+            return torch.full((), norm, dtype=torch.float64, device=sq.device)
         sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
         for unit, g in zip(self.units, grads):
             # the unit's own shard: its norm (an offloaded shard's is kept from its delivery, not read)
             sq += unit.grad_square_norm() if g is unit.grad_shard else square_norm(g)
         if self.sharded:
             comm.all_reduce(sq, self.process_group, tag="norm")
-        return math.sqrt(float(sq))
+        return sq.sqrt()[0]  # float64 sqrt: correctly rounded, as math.sqrt
+
+    def _clip_coefficient(self, norm: torch.Tensor) -> Optional[torch.Tensor]:
+        """torch's clip_grad_norm_ rule, min(1, max_norm / (norm + 1e-6)), computed on the norm's device: no host
+        read. The same float64 operations as in Python floats, so the same value (a division, not `c / t`,
+        which torch computes as a reciprocal times c: two roundings). None without clipping."""
+        if self.gradient_clipping <= 0:
+            return None
+        coef = torch.full_like(norm, self.gradient_clipping).div_(norm + 1e-6).clamp_(max=1.0)
+        # A non-finite norm leaves the gradients as they are (coefficient 1): the step is refused before it
+        # writes (see `step`), and the diagnosis must read the gradients that were reduced, not NaNs of ours.
+        return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The last step's global gradient norm before clipping (None: the step was skipped for fp16 overflow).
+        Read from the device on first use (note: a sync point the step itself does not take)."""
+        if self._norm_value is None and self._norm is not None:
+            self._norm_value = float(self._norm)
+        return self._norm_value
+
+    @property
+    def last_grad_norm_tensor(self) -> Optional[torch.Tensor]:
+        """`last_grad_norm` as a float64 tensor on the gradients' device, unread (None where it is None)."""
+        return self._norm
+
+    def expect_final_grads(self, final: bool) -> None:
+        """Before each backward (the engine's): `final` at the accumulation boundary (step_plan.py)."""
+        self.plan.expect_final_grads(final)
 
     def step(self, received: Optional[torch.Tensor]) -> StepOutcome:
         """Run one optimizer step over the shards; returns whether it stepped or why it did not.
@@ -194,33 +230,41 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         if check_overflow and self._overflow():
             self.scaler.update(overflow=True)
             self.last_step_skipped = True
-            self.last_grad_norm = None
+            self._norm, self._norm_value = None, None
+            self.plan.drop_grads()
             return StepOutcome.OVERFLOW
         transient = self.transient_grads_apply()  # [Note: fp32 gradients at the step] (transient_grads.py)
+        # A host step reads its gradients from host copies of the shards as reduced (step_plan.py); without loss
+        # scaling its norm is the shards' own, as the transient step's: no fp32 copy of them on the device.
+        raw = transient or (self.plan.host_step and self.scaler.scale == 1.0 and self.model_parallel is None)
         grads = []
         for unit, master in zip(self.units, self.masters):
-            same = transient or unit.grad_shard.dtype == master.dtype
+            same = raw or unit.grad_shard.dtype == master.dtype
             g = unit.grad_shard if same else unit.grad_shard.to(master.dtype)
             if self.scaler.scale != 1.0:
                 g = g.div(self.scaler.scale) if g is unit.grad_shard else g.div_(self.scaler.scale)
             grads.append(g)
         norm = self._global_norm(grads)
-        self.last_grad_norm = norm
-        if not math.isfinite(norm):
+        self._norm, self._norm_value = norm, None
+        coef = self._clip_coefficient(norm)
+        if not transient:  # clipped and bound where they are (streamed shards per window); host copies for a host step
+            self.plan.bind_all(grads, coef, received, self.scaler.scale)
+        # note: a sync point, the step's one read in bf16/fp32 (issue 32): whether the norm is finite. A NaN/Inf
+        # must not reach the masters (nonfinite.py) and torch's optimizers cannot skip on a device flag, so the
+        # host must know before the first write; it asks as late as that, after the binding above, while the
+        # device finishes the backward. The value itself stays on the device (`last_grad_norm` reads it).
+        # fp16: the overflow vote passed, every gradient is finite: the norm's check needs no read of its own (a
+        # float32 overflow of the norm would need elements near 1e19; the coefficient would then be 1, no NaN)
+        if not check_overflow and not bool(torch.isfinite(norm)):
             # the same on every rank (the norm is global): see nonfinite.py
+            self.plan.drop_grads()
             self.last_step_skipped = True
             return StepOutcome.NONFINITE
-        coef = 1.0
-        if self.gradient_clipping > 0:
-            coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
         if transient:  # fp32 copies of the 16-bit gradients made, clipped and stepped one window at a time
             self.step_transient(coef, received)
-        else:  # clipped and bound where they are (streamed shards per window); copied to the host for a host step
-            self.plan.bind_all(grads, coef, received)
+        else:
             self.plan.run(lambda window: self._step_chunks(received, window), received)
-        for chunks in self.chunks:
-            for chunk in chunks:
-                chunk.grad = None
+        self.plan.drop_grads()
         self.plan.write_back()  # the parameter shards follow their masters (unless they are them)
         self.scaler.update(overflow=False)
         self.last_step_skipped = False

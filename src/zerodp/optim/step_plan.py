@@ -11,13 +11,20 @@ units, decides:
              gradient shards that rest in files (fp32 offload_param nvme), each only for its window;
   gradients  which tensor each chunk's `.grad` is: a view of the unit's gradient shard, clipped in place
              (streamed shards: clipped per window, each chunk once), or, when the step runs on the host
-             while the model computes on a GPU (ZeRO-Offload), a view of a pinned host copy of it;
+             while the model computes on a GPU (ZeRO-Offload), a view of a pinned host copy of it, queued
+             as the shard was reduced for the last time before the step (optim/grad_staging.py);
   write-back how the updated masters reach the parameter shards: not at all (they are the shards), a
              copy, or (host step) a cast into a pinned host buffer and a copy to the GPU.
 
 The windows and arithmetic on the CPU are exactly those of the code this replaces, so results are
-bitwise unchanged there; on a GPU the gradients the host step reads are bitwise those a step on the GPU
-would read (converted, unscaled and clipped on the GPU, then copied).
+bitwise unchanged there. [Note: host-step arithmetic] On a GPU the host step's gradients are bitwise those
+a step on the GPU would read: the copy is of the shard as reduced (a bf16 -> fp32 cast is exact); the
+loss-scale division and the clip multiplication run on the host copy, and both are single correctly
+rounded IEEE operations per element (the clip coefficient is the same float64 value, cast to the
+gradient's dtype the same way on either device), so the host computes what the GPU computes. The
+global norm, a reduction whose summation order is the device's, is taken on the GPU from the shards
+before the step (the same value a GPU step takes); only its coefficient reaches the host. What is not
+bitwise between host and GPU is the optimizer's own arithmetic (tests/gpu/test_cuda_offload.py).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..placement import Placement
+from .grad_staging import GradStaging
+from ..placement import HOST, Placement
 from ..seams import ShardedUnit
 
 
@@ -64,43 +72,59 @@ class StepPlan:
         # the step reads its gradients from (and writes parameters through) host buffers where the placement
         # gives them one: ZeRO-Offload on a GPU (a CPU test forces it to run this path: test_placement.py)
         self.host_step = placement.grad_staging is not None
-        self._grad_staging: dict[int, torch.Tensor] = {}   # unit index -> pinned host buffer (host step)
+        # host step: each shard's copy is queued at its last delivery before the step (streamed shards: read
+        # per window at the step, and copied then)
+        self.staging = GradStaging(placement.grad_staging, placement.compute.device) if self.host_step else None
+        if self.staging is not None:
+            for index, unit in enumerate(units):
+                if not self.stream_grads[index]:
+                    unit.grads.observe_deliveries(self.staging.observer(index))
         self._param_staging: dict[int, torch.Tensor] = {}
-        self._clip = 1.0
+        self._coef: Optional[torch.Tensor] = None  # this step's clip coefficient (None: no clipping)
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def bind_all(self, grads: list[torch.Tensor], clip: float, received: Optional[torch.Tensor]) -> None:
-        """Clip and bind the gradients that are in memory (streamed ones are bound per window, `run`)."""
-        self._clip = clip
-        if clip < 1.0:
-            for index, g in enumerate(grads):
-                if not self.stream_grads[index]:
-                    g.mul_(clip)
-        staged = {index: self._to_step_device(index, g) for index, g in enumerate(grads)
-                  if not self.stream_grads[index]}  # streamed shards are bound per window (`run`)
-        self._wait_for_staging()
-        for index, g in staged.items():
-            self.bind(index, g, received)
+    def expect_final_grads(self, final: bool) -> None:
+        """Before a backward: `final` when it is the accumulation boundary's, whose reductions are the step's
+        gradients (a host step copies them to the host as they land: optim/grad_staging.py)."""
+        if self.staging is not None:
+            self.staging.arm(final)
 
-    def _to_step_device(self, index: int, g: torch.Tensor) -> torch.Tensor:
-        """`g` where the step runs: itself, or (host step) its copy in unit `index`'s pinned host buffer.
-        The copy is asynchronous: `_wait_for_staging` must run before the host reads it."""
-        if not self.host_step:
-            return g
-        home = self.placement.grad_staging
-        buf = self._grad_staging.get(index)
-        if buf is None or buf.numel() != g.numel():
-            buf = self._grad_staging[index] = torch.empty(g.numel(), dtype=home.dtype, device=home.device,
-                                                          pin_memory=home.pinned)
-        buf.copy_(g, non_blocking=home.pinned)  # device -> pinned host: one DMA, queued on the stream
-        return buf
+    def bind_all(self, grads: list[torch.Tensor], coef: Optional[torch.Tensor], received: Optional[torch.Tensor],
+                 scale: float = 1.0) -> None:
+        """Clip by `coef` (a tensor on the gradients' device; None: no clipping) and bind the gradients that are
+        in memory (streamed ones are bound per window, `run`). `grads` are the units' gradients converted to
+        the masters' dtype and divided by `scale`; a host step reads its units' host copies of the shards as
+        reduced instead and divides and clips them there ([Note: host-step arithmetic])."""
+        self._coef = coef
+        if self.host_step:
+            self._bind_host(coef, received, scale)
+            return
+        for index, g in enumerate(grads):
+            if not self.stream_grads[index]:
+                if coef is not None:
+                    g.mul_(coef)
+                self.bind(index, g, received)
 
-    def _wait_for_staging(self) -> None:
-        # note: a sync point. The device-to-host copies above return before they are done; the host optimizer
-        # must not read the buffers earlier.
-        if self.host_step and self.placement.compute.device.type == "cuda":
-            torch.cuda.current_stream(self.placement.compute.device).synchronize()
+    def _bind_host(self, coef: Optional[torch.Tensor], received: Optional[torch.Tensor], scale: float) -> None:
+        staged = {index: self.staging.take(index, unit.grad_shard) for index, unit in enumerate(self.units)
+                  if not self.stream_grads[index]}
+        self.staging.wait()  # note: a sync point (inside): the host reads the copies next
+        host_coef = coef.to(HOST) if coef is not None else None  # computed on the device; free after the sync
+        for index, buf in staged.items():
+            if scale != 1.0:
+                buf.div_(scale)
+            if host_coef is not None:
+                buf.mul_(host_coef)
+            self.bind(index, buf, received)
+
+    def drop_grads(self) -> None:
+        """After the step, taken or not: no chunk keeps a gradient, the host copies are forgotten."""
+        for chunks in self.chunks:
+            for chunk in chunks:
+                chunk.grad = None
+        if self.staging is not None:
+            self.staging.settle()
 
     def bind(self, index: int, g: torch.Tensor, received: Optional[torch.Tensor],
               window: Optional[set[int]] = None) -> None:
@@ -114,11 +138,11 @@ class StepPlan:
             # 500m-proxy step's 5.0 s (bench/results/big_offload_step.md).
             parts = list(g.split(self.chunk_numel))
             for chunk, g_chunk in zip(chunks, parts):
-                if self._clip < 1.0 and window is not None and id(chunk) in window:
-                    g_chunk.mul_(self._clip)
+                if self._coef is not None and window is not None and id(chunk) in window:
+                    g_chunk.mul_(self._coef)
             if self.host_step:  # clipped on the device as a device step would be, then copied
-                host = self._to_step_device(index, g)
-                self._wait_for_staging()
+                host = self.staging.copy_now(index, g)
+                self.staging.wait()
                 parts = list(host.split(self.chunk_numel))
             for chunk, g_chunk in zip(chunks, parts):
                 chunk.grad = g_chunk
@@ -195,8 +219,8 @@ class StepPlan:
 
     def staging_bytes(self) -> int:
         """Host bytes of the pinned staging buffers (host step)."""
-        bufs = list(self._grad_staging.values()) + list(self._param_staging.values())
-        return sum(b.numel() * b.element_size() for b in bufs)
+        grads = self.staging.nbytes() if self.staging is not None else 0
+        return grads + sum(b.numel() * b.element_size() for b in self._param_staging.values())
 
 
 @contextlib.contextmanager

@@ -62,8 +62,8 @@ class TransientGradSteps:
                 numel, group = master.numel(), unit.group_index
         return windows
 
-    def step_transient(self, clip: float, received: Optional[torch.Tensor]) -> None:
-        """Cast, clip by `clip`, bind and step each window's gradients, then drop them (the norm is already taken)."""
+    def step_transient(self, clip: Optional[torch.Tensor], received: Optional[torch.Tensor]) -> None:
+        """Cast, clip by `clip` (the coefficient, a tensor; None: no clipping), bind and step each window's gradients, then drop them (the norm is already taken)."""
         groups = self.optimizer.param_groups
         all_params = [g["params"] for g in groups]
         try:
@@ -75,7 +75,7 @@ class TransientGradSteps:
                 for index in window:
                     master = self.masters[index]
                     g = self.units[index].grad_shard.to(master.dtype)
-                    if clip < 1.0:
+                    if clip is not None:  # always multiplied: x * 1.0 is x, and the host never reads the coefficient
                         g.mul_(clip)
                     self.plan.bind(index, g, received)
                 restore = self._snapshot_untouched(received, {id(c) for c in chunks})

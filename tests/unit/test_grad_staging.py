@@ -1,0 +1,121 @@
+"""ZeRO-Offload's gradients copied to the host as they are reduced (optim/grad_staging.py), run on the CPU by
+forcing the host-step placement (as test_placement.py does): with gradient accumulation, fp16 loss scaling and
+clipping, the step that reads the copies queued at the boundary's deliveries is bitwise the step in place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerodp
+import zerodp.engine as engine_module
+from tests.dist.common import global_batch, make_model, make_optimizer
+from zerodp.placement import HOST, Home
+
+STEPS, GAS = 3, 2
+
+
+def _train(cfg: dict, forced: bool):
+    """STEPS optimizer steps of GAS micro-steps each; the final parameters and the staging's copy count."""
+    original = engine_module.placement_of
+    if forced:  # the GPU's ZeRO-Offload placement, with the host as the "device" (copies change no value)
+        def forced_placement(config, device):
+            p = original(config, device)
+            return dataclasses.replace(p, masters_are_shards=False, grad_staging=Home(HOST, torch.float32),
+                                       param_staging=Home(HOST, p.compute.dtype))
+        engine_module.placement_of = forced_placement
+    try:
+        model = make_model()
+        with zerodp.initialize(model, make_optimizer("adamw", model), cfg) as engine:
+            for step in range(STEPS):
+                for micro in range(GAS):
+                    x, y = global_batch(step * GAS + micro, 4)
+                    engine.backward(F.mse_loss(engine(x).float(), y))
+                    engine.step()
+            staging = engine.optimizer.plan.staging
+            copies = (staging.staged_copies if staging is not None else 0, len(engine.units))
+            return engine.full_state_dict(), copies
+    finally:
+        engine_module.placement_of = original
+
+
+@pytest.mark.parametrize("offload", [None, "nvme"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_staged_at_their_last_reduction_step_bitwise_as_in_place(stage, precision, offload, tmp_path):
+    zero = {"stage": stage}
+    if offload:  # the optimizer state streamed through files (the same host step, in windows)
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": str(tmp_path)}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.05,
+           "zero_optimization": zero}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True, **({"initial_scale_power": 4} if precision == "fp16" else {})}
+    plain, _ = _train(cfg, forced=False)
+    staged, (copies, _) = _train(cfg, forced=True)
+    assert copies >= STEPS  # the step read copies queued at deliveries (a stage-3 unit untouched: copied at the step)
+    for key in plain:
+        assert torch.equal(plain[key], staged[key]), key
+    fresh = make_model().state_dict()
+    assert not torch.equal(fresh["hidden.weight"], plain["hidden.weight"].to(fresh["hidden.weight"].dtype))
+
+
+def test_only_the_boundary_deliveries_are_staged():
+    """Stage 2 reduces every bucket at every micro-step; only the boundary's reductions are the step's: one copy
+    per bucket per step, not one per micro-step."""
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS, "zero_optimization": {"stage": 2}}
+    _, (copies, units) = _train(cfg, forced=True)
+    assert copies == STEPS * units
+
+
+class _Shared(torch.nn.Module):
+    """One weight used in two re-entrant checkpointed regions: its second gradient arrives after its bucket's
+    reduction (a late gradient, a second round whose delivery must be copied again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(12, 16)
+        self.shared = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_late_gradients_second_round_is_copied_again(stage):
+    original = engine_module.placement_of
+    results = []
+    for forced in (False, True):
+        if forced:
+            engine_module.placement_of = lambda config, device: dataclasses.replace(
+                original(config, device), masters_are_shards=False, grad_staging=Home(HOST, torch.float32),
+                param_staging=Home(HOST, torch.float32))
+        try:
+            model = _Shared()
+            zero = {"stage": stage, **({"reduce_bucket_size": 1} if stage < 3 else {})}  # a bucket per parameter
+            cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.05, "zero_optimization": zero}
+            with zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg) as engine:
+                for step in range(STEPS):
+                    x, y = global_batch(step, 4)
+                    engine.backward(F.mse_loss(engine(x.requires_grad_()), y))
+                    rounds = max(u.grads.rounds_launched for u in engine.units)
+                    engine.step()
+                staging = engine.optimizer.plan.staging
+                results.append((engine.full_state_dict(), staging.staged_copies if staging else 0, rounds,
+                                len(engine.units)))
+        finally:
+            engine_module.placement_of = original
+    (plain, _, _, _), (staged, copies, rounds, units) = results
+    if stage < 3:  # stage 3 reduced this model in one round (its parity is checked all the same)
+        assert rounds == 2 and copies > STEPS * units  # a second round, delivered and copied again
+    for key in plain:
+        assert torch.equal(plain[key], staged[key]), key
