@@ -305,8 +305,8 @@ class GradShard:
                     p.grad = view
 
     def detach_grad_views(self) -> None:
-        """Take the buffer views back from the parameters' .grad (their values stay in the buffer)."""
-        if self.grad_views:
+        """Take the buffer views back from the parameters' .grad (none is attached while REDUCING or REDUCED)."""
+        if self.grad_views and self.state is not GradState.REDUCING and self.state is not GradState.REDUCED:
             for p, view in zip(self.params, self.full.views()):
                 if p.grad is view:
                     p.grad = None
