@@ -18,6 +18,14 @@ DIR` (another checkout's src/, e.g. a `git worktree` of the base commit) zerodp'
 from that tree in the same invocation, so before/after ratios come from one run side by side.
 Collectives are real world-1 gloo calls (ZERODP_REAL_COLLECTIVES=1), as in the GPU measurement.
 
+[Note: the accelerator's gradient policy] At stages 2-3 the gradient hooks run one of two policies, decided by the
+device (`zerodp.placement.grad_views_every_round`): on a GPU each round's gradient buffer is zeroed and handed to
+autograd as views (a memset beside the kernels saves a copy and a `.grad` reset per parameter on the host); on
+the CPU each gradient is copied in (the zeroing would cost a large CPU model two more passes over its gradients).
+This proxy stands for the GPU's host work, so its `zerodpN` rows run the GPU's policy on the CPU (the device's
+answer patched in the child process); `--host-grad-views both` (the default) adds `zerodpN (CPU policy)` rows for
+stages 2-3, what a CPU run of this tree does. The baseline tree has one policy, and runs it.
+
 [Note: a shared machine] The profiler's times are wall-clock: a process preempted inside an event
 has the wait counted as that event's self time, and on a loaded machine that noise is larger than
 the effect measured (AccumulateGrad of one strategy varied 2-10x between runs at a load average of
@@ -53,8 +61,9 @@ def proxy_config():
     return GPTConfig(vocab_size=256, block_size=16, n_layer=32, n_head=4, n_embd=32, tie_embeddings=False)
 
 
-def profile_one(strategy: str, steps: int, micro_batch: int) -> dict:
-    """One strategy in this process: warm up, then profile `steps` steps; self-CPU figures per step (ms)."""
+def profile_one(strategy: str, steps: int, micro_batch: int, accelerator_policy: bool = False) -> dict:
+    """One strategy in this process: warm up, then profile `steps` steps; self-CPU figures per step (ms).
+    `accelerator_policy`: zerodp's device-dependent choices as on a GPU ([Note: the accelerator's gradient policy])."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -65,6 +74,9 @@ def profile_one(strategy: str, steps: int, micro_batch: int) -> dict:
     from .strategies import STRATEGIES
 
     torch.set_num_threads(1)
+    if accelerator_policy:  # never asked of the baseline tree, which has one policy
+        import zerodp.placement
+        zerodp.placement.grad_views_every_round = lambda device: True
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
         cfg = proxy_config()
@@ -119,14 +131,14 @@ def profile_one(strategy: str, steps: int, micro_batch: int) -> dict:
     return out
 
 
-def run_child(strategy: str, steps: int, micro_batch: int, src: Path | None) -> dict:
+def run_child(strategy: str, steps: int, micro_batch: int, src: Path | None, accelerator_policy: bool) -> dict:
     """`profile_one` in a fresh process (clean allocator and hooks); `src`: import zerodp from there."""
     path = [str(src)] if src else []
     env = dict(os.environ, OMP_NUM_THREADS="1", ZERODP_REAL_COLLECTIVES="1",
                PYTHONPATH=os.pathsep.join(path + [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "bench.harness.host_profile", "--child", strategy, "--steps", str(steps),
-               "--micro-batch", str(micro_batch), "--json", out.name]
+               "--micro-batch", str(micro_batch), "--json", out.name] + (["--accelerator-policy"] * accelerator_policy)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"host profile of {strategy} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -162,22 +174,25 @@ def run(args) -> None:
     rows = []
     baseline = Path(args.baseline_src).resolve() if args.baseline_src else None
     plan = []
+    policies = {"accelerator": [True], "device": [False], "both": [True, False]}[args.host_grad_views]
     for name in args.strategies:  # each zerodp stage beside its baseline, so both meet the same machine state
-        plan.append((name, None, name))
+        for accelerator in policies if name in ("zerodp2", "zerodp3") else policies[:1]:
+            cpu_row = not accelerator and len(policies) == 2
+            plan.append((name, None, f"{name} (CPU policy)" if cpu_row else name, accelerator))
         if baseline and name.startswith("zerodp"):
-            plan.append((name, baseline, f"{name} (baseline)"))
+            plan.append((name, baseline, f"{name} (baseline)", False))
     best: dict[str, dict] = {}
     for repeat in range(args.host_repeats):
-        for name, src, label in plan:
+        for name, src, label, accelerator in plan:
             print(f"host profile: {label} (run {repeat + 1} of {args.host_repeats})", flush=True)
-            row = run_child(name, args.host_steps, args.host_micro_batch, src)
+            row = run_child(name, args.host_steps, args.host_micro_batch, src, accelerator)
             row["label"] = label
             if label in best:  # each figure's minimum over the runs ([Note: a shared machine])
                 for key, value in row.items():
                     if key.endswith("_ms") or key == "wall_ms_min":
                         row[key] = min(value, best[label][key])
             best[label] = row
-    rows = [best[label] for _, _, label in plan]
+    rows = [best[label] for _, _, label, _ in plan]
     ddp_total = next((r["total_self_cpu_ms"] for r in rows if r["strategy"] == "ddp"), float("nan"))
     cfg = proxy_config()
     cmd = "python -m bench.harness " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -187,7 +202,9 @@ def run(args) -> None:
             f"(gloo, real collectives), fp32 AdamW; torch.profiler over {args.host_steps} steps after {WARMUP_STEPS} "
             f"warm-up, one process per strategy, {args.host_repeats} run(s) each; figures are per step, the minimum "
             f"over steps and runs (host_profile.py's [Note: a shared machine]). torch {rows[0]['torch']}, "
-            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end.", "",
+            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end. Gradient policy of zerodp's "
+            f"stages 2-3: {POLICY_TEXT[args.host_grad_views]} (host_profile.py's [Note: the accelerator's gradient "
+            f"policy]).", "",
             table(rows, ddp_total), ""]
     r = ratios(rows)
     if r:
@@ -201,11 +218,20 @@ def run(args) -> None:
     print("\n".join(text))
 
 
+POLICY_TEXT = {"accelerator": "a GPU's (round buffers handed to autograd as views), patched in on this CPU",
+               "device": "this machine's own (the CPU copies each gradient in)",
+               "both": "`zerodpN` rows run a GPU's (round buffers handed to autograd as views), patched in on this "
+                       "CPU; `(CPU policy)` rows this machine's own (each gradient copied in)"}
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host-steps", dest="host_steps", type=int, default=3, help="profiled steps (after warm-up)")
     ap.add_argument("--host-micro-batch", dest="host_micro_batch", type=int, default=2, help="sequences per step")
     ap.add_argument("--host-repeats", type=int, default=1, help="runs per process; figures are minima over them")
     ap.add_argument("--baseline-src", default=None, help="another checkout's src/ whose zerodp also runs")
+    ap.add_argument("--host-grad-views", choices=sorted(POLICY_TEXT), default="both",
+                    help="stages 2-3: run the GPU's gradient policy on the CPU (accelerator), the CPU's own (device), "
+                         "or both (see the note on the accelerator's gradient policy)")
 
 
 def main(argv=None) -> None:
@@ -214,8 +240,10 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--accelerator-policy", action="store_true")
     args = ap.parse_args(argv)
-    Path(args.json).write_text(json.dumps(profile_one(args.child, args.steps, args.micro_batch)))
+    Path(args.json).write_text(json.dumps(profile_one(args.child, args.steps, args.micro_batch,
+                                                      args.accelerator_policy)))
 
 
 if __name__ == "__main__":

@@ -93,14 +93,14 @@ class ZeroEngine:
         self.param_names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
+        # where each state lives (masters, optimizer state, staging buffers), decided once: placement.py
+        self.placement = placement_of(config, model_device(model))
         # the optimizer resolved and checked, the model made the same on every rank and cast, its parameters laid
         # out by the configured stage's strategy (sharding.py)
         user_opt, self.autocast, self.sharding = build_sharding(model, optimizer, config, process_group,
-                                                                self.precision, self.world_size)
+                                                                self.precision, self.world_size, self.placement)
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
-        # where each state lives (masters, optimizer state, staging buffers), decided once: placement.py
-        self.placement = placement_of(config, model_device(model))
         offload = build_optimizer_offload(config, self.units, user_opt, process_group, self.placement)  # or None
         self.optimizer = ShardedOptimizer(
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)

@@ -63,6 +63,9 @@ class Placement:
     grad_staging: Optional[Home]   # None: the step reads the gradient shard where it is
     param_staging: Optional[Home]  # None: masters are written into the parameter shards directly (or are them)
     masters_are_shards: bool       # the master *is* the parameter shard (fp32, one device): updated in place
+    # stages 2-3: each round's gradient buffer is zeroed when allocated and autograd adds into its views
+    # ([Note: gradients as buffer views] in grads/grad_shard.py); False: each first gradient is copied in
+    round_grad_views: bool
 
     @property
     def steps_on_host(self) -> bool:
@@ -79,6 +82,16 @@ class Placement:
         return self.grad_shards.files
 
 
+def grad_views_every_round(device: torch.device) -> bool:
+    """Whether stages 2-3 zero each round's gradient buffer so that autograd accumulates into its views
+    ([Note: gradients as buffer views] in grads/grad_shard.py): on an accelerator, where the zeroing is a
+    memset beside the step's kernels and the host work it saves per parameter (a copy and a `.grad` reset
+    in the gradient hook) is what a host-bound step waits for; not on the CPU, where the zeroing and the
+    in-place add are two more passes over a large model's gradients in memory bandwidth (the copy path
+    writes each gradient once)."""
+    return torch.device(device).type != "cpu"
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device the model computes on: its first parameter's (the CPU for a model without any)."""
     first = next(model.parameters(), None)
@@ -91,7 +104,8 @@ def placement_for_precision(precision: PrecisionPolicy, device: torch.device) ->
     grads = Home(compute.device, precision.grad_accum_dtype or precision.param_dtype)
     masters = Home(compute.device, precision.master_dtype)
     return Placement(compute, grads, compute, grads, masters, masters, None, None,
-                     masters_are_shards=masters.dtype == compute.dtype)
+                     masters_are_shards=masters.dtype == compute.dtype,
+                     round_grad_views=grad_views_every_round(compute.device))
 
 
 def placement_of(config: ZeroConfig, device: torch.device) -> Placement:
@@ -128,4 +142,5 @@ def placement_of(config: ZeroConfig, device: torch.device) -> Placement:
     grad_staging = Home(HOST, precision.master_dtype, pinned=True) if host_step else None
     param_staging = Home(HOST, param_dtype, pinned=True) if host_step else None
     return Placement(compute, grads, param_shards, grad_shards, masters, states, grad_staging, param_staging,
-                     masters_are_shards=masters.device == device and masters.dtype == param_dtype)
+                     masters_are_shards=masters.device == device and masters.dtype == param_dtype,
+                     round_grad_views=grad_views_every_round(device))

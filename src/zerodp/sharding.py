@@ -30,6 +30,7 @@ from .autocast import AutocastPolicy
 from .config import ZeroConfig
 from .grads.grad_arithmetic import GradArithmetic
 from .nonfinite import check_hyperparameters
+from .placement import Placement
 from .optim.inner import OptimizerLike, check_supported, members, needs_whole_tensors, resolve_optimizer
 from .precision import PrecisionPolicy
 from .preflight import broadcast_module_state, optimizer_groups, trainable_parameters
@@ -48,9 +49,10 @@ class Sharding(NamedTuple):
 
 
 def build_sharding(model: nn.Module, optimizer: Any, config: ZeroConfig, process_group: comm.ProcessGroup,
-                   precision: PrecisionPolicy, world_size: int) -> Sharding:
+                   precision: PrecisionPolicy, world_size: int, placement: Placement) -> Sharding:
     """Resolve and check `optimizer` (None: the config's section), make `model` the same on every rank and
-    cast it to the compute dtype, then lay its trainable parameters out for the configured stage."""
+    cast it to the compute dtype, then lay its trainable parameters out for the configured stage (its
+    gradient buffers as `placement` says: `round_grad_views`)."""
     trainable = trainable_parameters(model)
     user_opt = resolve_optimizer(optimizer, config.optimizer, trainable, model=model)
     check_supported(user_opt, config.zero_allow_untested_optimizer)
@@ -67,16 +69,19 @@ def build_sharding(model: nn.Module, optimizer: Any, config: ZeroConfig, process
     arithmetic = GradArithmetic(world_size, precision.grad_accum_dtype, precision.reduce_dtype,
                                 config.gradient_predivide_factor, config.prescale_gradients,
                                 *(() if autocast is None else (autocast.low_precision_ids, autocast.dtype)))
-    return Sharding(user_opt, autocast, _strategy(model, groups, whole, config, process_group, arithmetic))
+    return Sharding(user_opt, autocast, _strategy(model, groups, whole, config, process_group, arithmetic,
+                                                  placement.round_grad_views))
 
 
 def _strategy(model: nn.Module, groups: list[list[nn.Parameter]], whole: list[bool], config: ZeroConfig,
-              process_group: comm.ProcessGroup, arithmetic: GradArithmetic) -> ShardingStrategy:
+              process_group: comm.ProcessGroup, arithmetic: GradArithmetic, round_views: bool) -> ShardingStrategy:
     """The strategy for the configured stage (seams.ShardingStrategy); `whole[g]`: group g's units
-    are laid out in whole tensors per rank; `arithmetic`: how gradients are accumulated and reduced."""
+    are laid out in whole tensors per rank; `arithmetic`: how gradients are accumulated and reduced;
+    `round_views`: stages 2-3 hand autograd views of each round's gradient buffer (placement.py)."""
     zero = config.zero_optimization
     if config.stage == 3:
-        return build_stage3_sharding(model, groups, config, process_group, whole, arithmetic)
+        return build_stage3_sharding(model, groups, config, process_group, whole, arithmetic, round_views=round_views)
     policy = ReducePolicy.for_stage(config.stage, zero.reduce_scatter)
-    buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size, whole, arithmetic)
+    buckets = build_buckets(groups, policy, process_group, zero.reduce_bucket_size, whole, arithmetic,
+                            round_views=round_views)
     return GradReducer(buckets, process_group, zero.overlap_comm, policy, zero.allgather_bucket_size)

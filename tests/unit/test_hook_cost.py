@@ -1,7 +1,11 @@
 """[Note: hook cost] (grads/grad_shard.py): the gradient hooks, which run once per parameter per backward, issue no
 tensor operation of their own beyond moving the gradient (none at all where autograd accumulates into the buffer
 view: [Note: gradients as buffer views]); the work per bucket or unit (launching its reduction) is bounded
-per unit. Counted as operations under AccumulateGrad in torch.profiler's tree, not timed."""
+per unit. Counted as operations under AccumulateGrad in torch.profiler's tree, not timed.
+
+Stages 2-3 have two policies (placement.grad_views_every_round): on the CPU each gradient is copied into its round's
+buffer; on an accelerator the buffer is handed to autograd as views, so only a round's first gradient is moved by
+the hook. The accelerator's policy is tested here by patching the device's answer."""
 
 import collections
 
@@ -11,13 +15,14 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import zerodp
+from zerodp import placement
 from zerodp.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=6, n_head=2, n_embd=16)
 PER_UNIT_OPS = 10  # a reduction's launch at world 1: slices of its buffer, a dtype conversion, an add
 
 
-def hook_ops(stage: int):
+def hook_ops(stage: int, check=None):
     torch.manual_seed(0)
     model = GPT(CFG)
     zero = {"stage": stage, **({"stage3_unit_modules": ["Block"]} if stage == 3 else {"reduce_bucket_size": 3000})}
@@ -30,6 +35,8 @@ def hook_ops(stage: int):
                 engine.backward(loss)
         else:
             engine.backward(loss)
+        if check is not None:
+            check(engine, model)
         engine.step()
     ops = collections.Counter()
     calls = 0
@@ -52,3 +59,30 @@ def test_gradient_hooks_do_no_per_parameter_tensor_work(stage):
     # one move per parameter (autograd's in-place add into the view, or the hook's copy into the buffer)
     assert moves <= params + PER_UNIT_OPS * units, ops
     assert other <= PER_UNIT_OPS * units, ops  # was 5 per parameter: slice, view, a flag tensor's write
+
+
+def no_grad_left(engine, model) -> None:
+    """After a backward, gradients live in the gradient shards: no parameter keeps a .grad (a view left attached
+    would take a stray backward's gradient, or point into a round's buffer once it is freed)."""
+    assert [n for n, p in model.named_parameters() if p.grad is not None] == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_round_views_move_one_gradient_per_unit(stage, monkeypatch):
+    monkeypatch.setattr(placement, "grad_views_every_round", lambda device: True)  # an accelerator's policy
+    ops, calls, units, params = hook_ops(stage, no_grad_left)
+    assert calls == params and params > 4 * units
+    # a gradient taken out of autograd (AccumulateGrad's detach: the parameter had no .grad) and copied or added by
+    # the hook: only the first of each round's buffer (one round per unit here); the others are added in place
+    taken = ops["aten::detach"] + ops["aten::copy_"]
+    assert taken <= units, ops  # the copy path takes and copies every one of them: 2 per parameter
+    assert ops["aten::zero_"] <= units, ops  # the buffer zeroed once per round
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cpu_keeps_the_copy_path_at_stages_2_and_3(stage):
+    assert not placement.grad_views_every_round(torch.device("cpu"))
+    assert placement.grad_views_every_round(torch.device("cuda", 0))  # a value: no GPU needed
+    ops, calls, units, params = hook_ops(stage, no_grad_left)
+    assert ops["aten::zero_"] == 0, ops  # no pass over the buffer: each first gradient is copied
+    assert ops["aten::copy_"] == params, ops

@@ -81,7 +81,7 @@ class GradShard:
 
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, shard_index: int,
                  arithmetic: GradArithmetic, reduce: ReduceFn, *, keep_full: bool, name: str = "",
-                 home=None) -> None:
+                 home=None, round_views: bool = False) -> None:
         first = params[0]
         self.params = params
         self.layout = layout
@@ -122,13 +122,17 @@ class GradShard:
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
         self._pending: Optional[PendingReduce] = None
         self.home = home if not keep_full else None  # where `shard` lives between uses, or None: in memory
-        # [Note: gradients as buffer views] Where the persistent full buffer has the parameters' dtype, each
-        # parameter's .grad is its view of the buffer during a backward (as DDP's gradient_as_bucket_view):
-        # autograd's AccumulateGrad adds into it in place (`grad += new`, the same add `add_grad` did) and
-        # the hook only marks it. Detached (.grad = None) when the round's reduction launches, so that a
-        # late gradient takes `add_grad`'s path (a new round) instead of landing in a buffer being reduced,
-        # and after every backward, so that a stray loss.backward() is refused before it adds anything.
-        self.grad_views = keep_full and self.split is None and all(p.dtype == self.full.dtype for p in params)
+        # [Note: gradients as buffer views] Where the full buffer has the parameters' dtype, each parameter's
+        # .grad is its view of the buffer during a backward (as DDP's gradient_as_bucket_view): autograd's
+        # AccumulateGrad adds into it in place (`grad += new`, the same add `add_grad` did) and the hook only
+        # marks it. The persistent buffer (stages 0-1) is attached before each backward; with `round_views`
+        # (stages 2-3, placement.grad_views_every_round) a round's buffer when its first gradient allocates it,
+        # zeroed (0 + g is g exactly) and attached to every parameter without a .grad. Detached (.grad = None)
+        # when the round's reduction launches, so that a late gradient takes `add_grad`'s path (a new round)
+        # instead of landing in a buffer being reduced or freed, and after every backward, so that a stray
+        # loss.backward() is refused before it adds anything.
+        self.grad_views = ((keep_full or round_views) and self.split is None
+                           and all(p.dtype == self.full.dtype for p in params))
         self._sq_norm: Optional[torch.Tensor] = None  # home: the shard's float64 square norm, from its last delivery
         if self.home is not None:
             self.home.adopt(self.shard, zeros=True)
@@ -180,14 +184,20 @@ class GradShard:
             shard -= self.home.offloaded_bytes(self.shard)
         return self.full.nbytes + shard
 
-    def _ensure_full(self) -> None:
-        """Give the per-round full buffer memory. It is not zeroed: each parameter's first gradient is copied
-        in (`add_grad`) and only what no gradient wrote is zeroed before the buffer is read (`_fill_unwritten`),
-        which saves a pass over a unit's gradient bytes per micro-step (1.35 s of a 500m-proxy step's 11.2 s
-        backward, bench/results/big_offload_step.md)."""
-        if not self.keep_full and self.full.nbytes == 0:
-            alloc_storage(self.full.tensor, self.layout.padded_numel)
+    def _ensure_full(self) -> bool:
+        """Give the per-round full buffer memory; True when it was allocated now. Zeroed only for grad views:
+        otherwise each parameter's first gradient is copied in (`add_grad`) and only what no gradient wrote is
+        zeroed before the buffer is read (`_fill_unwritten`), which saves a pass over a unit's gradient bytes
+        per micro-step (1.35 s of a 500m-proxy step's 11.2 s backward, bench/results/big_offload_step.md)."""
+        if self.keep_full or self.full.nbytes != 0:
+            return False
+        alloc_storage(self.full.tensor, self.layout.padded_numel)
+        if self.grad_views:
+            self.full.tensor.zero_()
+            self._written = None
+        else:
             self._written = bytearray(len(self.params))
+        return True
 
     def _fill_unwritten(self) -> None:
         """Zero the full buffer's parameters that no gradient wrote since it was allocated, and its padding."""
@@ -223,7 +233,8 @@ class GradShard:
         if self.state is not GradState.FILLING:  # FILLING: the full buffer is allocated
             if self.state is GradState.REDUCING or self.state is GradState.REDUCED:
                 self._open_round()  # a late gradient: finish the round in flight, then open another one
-            self._ensure_full()
+            if self._ensure_full():
+                self.attach_grad_views()  # the round's other parameters accumulate in place (p has its .grad)
             self._to(GradState.FILLING)
         # In the buffer's dtype: a bf16 gradient is added exactly into an fp32 buffer (type promotion); the
         # first one since the buffer was allocated is copied (the same value as adding it to zeros)
@@ -285,16 +296,17 @@ class GradShard:
         self._received[index] = 1
 
     def attach_grad_views(self) -> None:
-        """Before a backward: each parameter without a .grad gets its view of the full buffer as .grad
-        ([Note: gradients as buffer views]); nothing where the buffer cannot be one or is being reduced."""
-        if self.grad_views and self.state in (GradState.IDLE, GradState.FILLING):
+        """Each parameter without a .grad gets its view of the full buffer as .grad ([Note: gradients as buffer
+        views]): before a backward where the buffer persists, when a round's first gradient allocates it
+        otherwise; nothing where the buffer cannot be one, is being reduced or has no memory."""
+        if self.grad_views and self.state is not GradState.REDUCING and self.full.nbytes:
             for p, view in zip(self.params, self.full.views()):
                 if p.grad is None:
                     p.grad = view
 
     def detach_grad_views(self) -> None:
-        """Take the buffer views back from the parameters' .grad (their values stay in the buffer)."""
-        if self.grad_views:
+        """Take the buffer views back from the parameters' .grad (none is attached while REDUCING or REDUCED)."""
+        if self.grad_views and self.state is not GradState.REDUCING and self.state is not GradState.REDUCED:
             for p, view in zip(self.params, self.full.views()):
                 if p.grad is view:
                     p.grad = None
@@ -378,6 +390,8 @@ class GradShard:
     def zero_grad(self) -> None:
         """Forget gradients after an optimizer step (or a skipped one)."""
         self.wait()
+        if self.state is GradState.FILLING and not self.keep_full:
+            self.detach_grad_views()  # a backward that raised left its round open: its buffer is freed below
         if self.keep_full:
             self.full.tensor.zero_()
         elif self.home is not None:

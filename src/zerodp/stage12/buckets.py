@@ -57,7 +57,7 @@ class GradBucket:
 
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, policy: ReducePolicy,
                  process_group: comm.ProcessGroup, whole_tensors: bool = False,
-                 arithmetic: Optional[GradArithmetic] = None) -> None:
+                 arithmetic: Optional[GradArithmetic] = None, round_views: bool = False) -> None:
         self.params = params
         self.group_index = group_index
         self.policy = policy
@@ -71,9 +71,11 @@ class GradBucket:
         self.param_buffer.copy_from(params)
         for p, view in zip(params, self.param_buffer.views()):
             p.data = view  # the module now computes on the flat buffer; no copy at step time
-        # Stages 0-1 keep the full gradient buffer across micro-steps; stage 2 only while reducing.
+        # Stages 0-1 keep the full gradient buffer across micro-steps; stage 2 only while reducing (`round_views`:
+        # autograd adds into views of it, see [Note: gradients as buffer views]).
         self.grads = GradShard(params, self.layout, self.shard_index, arithmetic or GradArithmetic(world),
-                               self._reduce, keep_full=not policy.shard_grads, name=f"bucket of group {group_index}")
+                               self._reduce, keep_full=not policy.shard_grads, name=f"bucket of group {group_index}",
+                               round_views=round_views)
 
     def _reduce(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> comm.Handle:
         if not self.policy.shard_optimizer:
@@ -129,13 +131,15 @@ BALANCE_FACTOR = 4
 
 def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
                   process_group: comm.ProcessGroup, bucket_numel: int,
-                  whole: Optional[list[bool]] = None, arithmetic: Optional[GradArithmetic] = None) -> list[GradBucket]:
+                  whole: Optional[list[bool]] = None, arithmetic: Optional[GradArithmetic] = None, *,
+                  round_views: bool = False) -> list[GradBucket]:
     """Split each optimizer group's parameters into buckets of at most `bucket_numel` elements.
 
     Parameters are walked in reverse model order, which approximates the order in which backward
     produces their gradients, so early buckets complete (and start reducing) early. A bucket never
     mixes param groups (its shard is one tensor of one group), dtypes or reduction dtypes (torch_autocast). `whole[g]`: group g's
     buckets give each rank whole tensors (flat/whole_tensor_layout.py); see [Note: whole-tensor buckets].
+    `round_views`: stage 2's per-round gradient buffers are handed to autograd as views (placement.py).
     """
     whole = whole or [False] * len(groups)
     world = comm.get_world_size(process_group) if policy.shard_optimizer else 1
@@ -155,11 +159,11 @@ def build_buckets(groups: list[list[torch.nn.Parameter]], policy: ReducePolicy,
         # the price of larger buckets (stage 2's temporary full-gradient buffer is one bucket).
         balanced = not whole[gi] or numel >= BALANCE_FACTOR * world * max((q.numel() for q in params), default=0)
         if params and numel + p.numel() > bucket_numel and balanced:
-            buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic))
+            buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic, round_views))
             params, numel = [], 0
         open_[key] = (params + [p], numel + p.numel())
     for (gi, *_), (params, _) in open_.items():
         if params:
-            buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic))
+            buckets.append(GradBucket(params, gi, policy, process_group, whole[gi], arithmetic, round_views))
     return buckets
 

@@ -72,7 +72,7 @@ class FlatUnit:
                  index: int, module_name: str, trainable: bool, persistent: bool,
                  whole_tensors: bool = False, owner_loads=None, param_home: Optional[ShardStore] = None,
                  grad_home: Optional[ShardStore] = None,
-                 arithmetic: Optional[GradArithmetic] = None) -> None:
+                 arithmetic: Optional[GradArithmetic] = None, round_views: bool = False) -> None:
         if not params:
             raise ValueError("a FlatUnit needs at least one parameter")
         self.params = params
@@ -111,7 +111,7 @@ class FlatUnit:
         self.grads: Optional[GradShard] = GradShard(
             params, self.layout, self.shard_index, arithmetic or GradArithmetic(shards.data_parallel_world),
             self._reduce, keep_full=False, name=f"{module_name}[{index}]",
-            home=None if persistent or whole_tensors else grad_home) if trainable else None
+            home=None if persistent or whole_tensors else grad_home, round_views=round_views) if trainable else None
         self._gather_handle = None
         self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: see [Note: secondary shards]
         # where param_shard's storage lives between uses ([Note: a unit owns its residency])

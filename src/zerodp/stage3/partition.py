@@ -33,7 +33,7 @@ from .wrap import choose_unit_modules, plan_units
 def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], config: ZeroConfig,
                           process_group: comm.ProcessGroup, whole: Optional[list[bool]] = None,
                           arithmetic: Optional[GradArithmetic] = None, *,
-                          forward_only: bool = False) -> Stage3Sharding:
+                          forward_only: bool = False, round_views: bool = False) -> Stage3Sharding:
     """Partition `model`'s parameters into units and hook its modules (see the module docstring).
 
     `groups` are the optimizer's param groups, trainable parameters only, in model order; `whole[g]`:
@@ -41,6 +41,7 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     divisors of every unit's gradient reduction (None: averaged in the parameters' dtype). `forward_only`
     (no optimizer, `groups` empty): every parameter is laid out as frozen, whatever its requires_grad, so no
     unit has a gradient or optimizer state; the model may then have no unit at all (every parameter small).
+    `round_views`: each unit's per-round gradient buffer is handed to autograd as views (placement.py).
     """
     if forward_only and groups:
         raise ValueError("build_stage3_sharding(forward_only=True) lays out no trainable parameter; pass groups=[]")
@@ -92,7 +93,8 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
             flat = FlatUnit(ps, ns, group_index, shards, index=len(flats), module_name=plan.name or "<root>",
                             trainable=group_index >= 0, persistent=persistent,
                             whole_tensors=group_index >= 0 and whole[group_index], owner_loads=owner_loads,
-                            param_home=param_home, grad_home=grad_home, arithmetic=arithmetic)
+                            param_home=param_home, grad_home=grad_home, arithmetic=arithmetic,
+                            round_views=round_views)
             if flat.layout.whole_tensors:
                 owner_loads = flat.layout.loads_after
             flats.append(flat)
