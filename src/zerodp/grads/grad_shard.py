@@ -6,16 +6,8 @@ into the flat full buffer and drops the parameter's own `.grad`; where the full 
 parameters' dtype (stages 0-1), autograd accumulates straight into it instead ([Note: gradients as
 buffer views]). A reduction (`launch`, then `wait`) sums the full
 buffer over ranks, divides by the number of ranks and leaves this rank's slice in `shard`; the dtypes
-and divisors are a `grads.grad_arithmetic.GradArithmetic`:
-
-    IDLE --add_grad--> FILLING --launch--> REDUCING --wait--> REDUCED
-      \\_______________launch______________/                     |
-    REDUCED --add_grad/launch--> (a new round: FILLING/REDUCING)  |  zero_grad: any state -> IDLE
-
-Every transition is checked against `_ALLOWED`; an illegal sequence fails with the two states named
-instead of hanging in a collective. A second round in one micro-step happens when a gradient
-arrives after its shard's reduction (a weight used in two re-entrant checkpointed regions) or when
-another rank had such a gradient (see `reduce_queue.ReduceQueue.finish`).
+and divisors are a `grads.grad_arithmetic.GradArithmetic`; its states and their checked transitions
+are `grads.grad_state.GradState`.
 
 Policy, not copies (`keep_full`):
 - keep_full=True (stages 0 and 1): the full buffer persists and accumulates over micro-steps (in the
@@ -38,7 +30,6 @@ offload/shard_store.py). Without a home both are trivial; callers never ask whic
 from __future__ import annotations
 
 import contextlib
-from enum import Enum, auto
 from typing import Callable, ContextManager, NamedTuple, Optional
 
 import torch
@@ -47,6 +38,7 @@ from .. import comm
 from ..flat.buffer import FlatBuffer, alloc_storage, free_storage
 from ..flat.layout import FlatLayout
 from .grad_arithmetic import GradArithmetic
+from .grad_state import ALLOWED as _ALLOWED, GradState
 from .split_reduce import SplitReduce
 
 # (output slice, full buffer, async_op) -> handle; sums `full` over ranks, this rank's slice in output
@@ -59,21 +51,6 @@ class PendingReduce(NamedTuple):
 
     handle: comm.Handle
     sent: FlatBuffer
-
-
-class GradState(Enum):
-    IDLE = auto()       # no gradient this round
-    FILLING = auto()    # some parameters reported
-    REDUCING = auto()   # reduction launched, not yet waited on
-    REDUCED = auto()    # this round's reduction is in `shard`
-
-
-_ALLOWED = {
-    GradState.IDLE: {GradState.IDLE, GradState.FILLING, GradState.REDUCING},
-    GradState.FILLING: {GradState.FILLING, GradState.REDUCING, GradState.IDLE},
-    GradState.REDUCING: {GradState.REDUCED},
-    GradState.REDUCED: {GradState.IDLE, GradState.FILLING, GradState.REDUCING},
-}
 
 
 class GradShard:
