@@ -235,12 +235,31 @@ class WorkerPool:
                         raise self._died(sentinels[dead[0]], what)
                     raise WorkerError(
                         f"rank {rank} of {self.world_size} failed in {what}; remote traceback:\n"
-                        f"{payload}"
+                        f"{payload}{self._other_errors(pending)}"
                     )
                 results[rank] = payload
             for sentinel in [r for r in ready if r in sentinels]:
                 raise self._died(sentinels[sentinel], what)
         return results
+
+    def _other_errors(self, pending: dict, timeout: float = 3.0) -> str:
+        """The errors other ranks report within `timeout` of the first: the first to arrive is not always the
+        cause (a rank whose peer raised and closed its sockets fails with "Connection closed by peer")."""
+        others = []
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            ready = connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    status, payload = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    continue
+                if status == "error":
+                    others.append(f"\n--- rank {rank} of {self.world_size} also failed:\n{payload}")
+        return "".join(others)
 
     def _died(self, rank: int, what: str) -> WorkerError:
         proc = self._procs[rank]

@@ -28,6 +28,10 @@ def raise_on_rank_1() -> None:
     dist.barrier()  # rank 0 would wait here forever for rank 1
 
 
+def raise_on_every_rank() -> None:
+    raise ValueError(f"deliberate failure of rank {dist.get_rank()}")
+
+
 def sleep_s(seconds: float) -> None:
     time.sleep(seconds)
 
@@ -83,6 +87,15 @@ def test_error_on_one_rank_fails_fast_and_pool_recovers(dist_run):
 
     assert harness.get_pool(2) is not broken
     assert [r["sum"].item() for r in dist_run(2, all_reduce_rank)] == [3.0, 3.0]
+
+
+def test_every_rank_that_failed_is_reported(dist_run):
+    """The first error to arrive is not always the cause (a peer of the failed rank reports "Connection closed
+    by peer"), so the others that arrive within moments come with it."""
+    with pytest.raises(harness.WorkerError) as info:
+        dist_run(2, raise_on_every_rank, timeout=60)
+    message = str(info.value)
+    assert "deliberate failure of rank 0" in message and "deliberate failure of rank 1" in message, message
 
 
 def test_worker_exit_is_reported_with_exit_code(dist_run):
