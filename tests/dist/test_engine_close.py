@@ -56,7 +56,7 @@ def close_returns_to_baseline(stage: int, nvme_dir: str, close_twice: bool) -> d
     after = _resources()
     assert dist.is_initialized(), "close() destroyed the default group, which the caller created"
     # A communicator made after another was destroyed must not inherit the dead one's name and store keys
-    # (gloo then connects to dead ports: comm.new_group_like's note): a second engine on the same ranks trains.
+    # (gloo then connects to dead ports: [Note: local communicators]): a second engine on the same ranks trains.
     again = zerodp.initialize(make_model(), None, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                                                    "zero_optimization": {"stage": 3}})
     x, y = micro_batch(0, 0, rank, world, 3, 1)

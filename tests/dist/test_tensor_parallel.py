@@ -43,10 +43,9 @@ def train_cases() -> dict:
     variants = {"train": None, "Pa+cpu": PA_CPU}
     out = {key: {} for key in variants}
     for stage, opt_name, zero in CASES:
-        # Both engines of a stage are built before either closes: torch names a communicator made over some
-        # ranks of the world (stage 3's reduction communicator over the data-parallel group) by those ranks and
-        # the number of live groups, so one re-made after the other's close would get the dead one's name and
-        # store keys, and gloo would connect to its closed ports (comm/process_group.py, new_group_like).
+        # Both engines of a stage live at once: two communicators over the same data-parallel ranks (stage 3's
+        # reduction communicator), each its own; a closed one is kept for the next engine over those ranks
+        # ([Note: local communicators] in comm/local_groups.py; tests/dist/test_local_groups.py).
         runs = {key: TPRun(stage, opt_name, activation_checkpointing=ac, **zero) for key, ac in variants.items()}
         for key, run in runs.items():
             run.reseed()  # the other run's construction seeded the generators too
