@@ -119,3 +119,31 @@ def test_a_late_gradients_second_round_is_copied_again(stage):
         assert rounds == 2 and copies > STEPS * units  # a second round, delivered and copied again
     for key in plain:
         assert torch.equal(plain[key], staged[key]), key
+
+
+@pytest.mark.parametrize("offload", [None, "offload_optimizer", "offload_param"])
+def test_the_clip_norm_reads_the_16_bit_shards_on_every_path(offload, tmp_path, monkeypatch):
+    """bf16 without loss scaling: whatever walks the step (the transient windows, the offloaded state's windows,
+    offload_param's units; a GPU's host step), the global norm is taken from the gradient shards as reduced, never
+    from fp32 copies of them. One value on every path, on a GPU too, whose reduction of a bf16 input need not sum
+    in the order of its fp32 copy's: tests/gpu/test_cuda_offload.py compares offload_param with no offload bitwise,
+    with the clip active."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}  # sharded units: offload_param moves them
+    if offload:
+        zero[offload] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.05, "bf16": {"enabled": True},
+           "zero_optimization": zero}
+    model = make_model()
+    with zerodp.initialize(model, make_optimizer("adamw", model), cfg) as engine:
+        x, y = global_batch(0, 4)
+        engine.backward(F.mse_loss(engine(x).float(), y))
+        assert (offload == "offload_param") == any(unit.param_offloaded for unit in engine.units)
+        normed, vector_norm = [], torch.linalg.vector_norm
+
+        def recording(t, *args, **kwargs):
+            normed.append(t.dtype)
+            return vector_norm(t, *args, **kwargs)
+        monkeypatch.setattr(torch.linalg, "vector_norm", recording)
+        engine.step()
+        monkeypatch.undo()
+    assert normed and set(normed) == {torch.bfloat16}, normed
