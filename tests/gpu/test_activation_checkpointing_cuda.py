@@ -30,6 +30,7 @@ def test_cpu_checkpointing_frees_device_memory():
     checkpoint_bytes = x.numel() * 4  # 16 MiB per block input
 
     def forward_holding(checkpointer):
+        x.grad = None  # each run's gradient alone: the last one is compared with a plain backward below
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         h = x

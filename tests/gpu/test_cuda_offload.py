@@ -30,6 +30,8 @@ STEPS = 8
 
 def offload_config(stage: int, bf16: bool, optimizer: str, param: str, nvme) -> dict:
     zero = {"stage": stage}
+    if stage == 3:  # sharded units: under the default threshold every unit of the parity model is persistent, and
+        zero["stage3_param_persistence_threshold"] = 0  # offload_param would move nothing
     if optimizer != "none":
         zero["offload_optimizer"] = {"device": optimizer, "nvme_path": str(nvme), "pin_memory": True}
     if param != "none":
@@ -65,6 +67,8 @@ def run(config: dict) -> tuple[list[float], dict]:
             if not all(unit.grad_offloaded for unit in engine.units):
                 assert staging.staged_copies >= STEPS and staging.nbytes() > 0
         assert all(p.device.type == "cuda" for p in engine.module.parameters())
+        if config["zero_optimization"].get("offload_param") is not None:  # the shards really left the GPU
+            assert any(unit.param_offloaded for unit in engine.units)
         return losses, engine.full_state_dict()
 
 

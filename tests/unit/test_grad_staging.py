@@ -119,3 +119,102 @@ def test_a_late_gradients_second_round_is_copied_again(stage):
         assert rounds == 2 and copies > STEPS * units  # a second round, delivered and copied again
     for key in plain:
         assert torch.equal(plain[key], staged[key]), key
+
+
+@pytest.mark.parametrize("offload", [None, "offload_optimizer", "offload_param"])
+def test_the_clip_norm_reads_the_16_bit_shards_on_every_path(offload, tmp_path, monkeypatch):
+    """bf16 without loss scaling: whatever walks the step (the transient windows, the offloaded state's windows,
+    offload_param's units; a GPU's host step), the global norm is taken from the gradient shards as reduced, never
+    from fp32 copies of them. One value on every path, on a GPU too, whose reduction of a bf16 input need not sum
+    in the order of its fp32 copy's: tests/gpu/test_cuda_offload.py compares offload_param with no offload bitwise,
+    with the clip active."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}  # sharded units: offload_param moves them
+    if offload:
+        zero[offload] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.05, "bf16": {"enabled": True},
+           "zero_optimization": zero}
+    model = make_model()
+    with zerodp.initialize(model, make_optimizer("adamw", model), cfg) as engine:
+        x, y = global_batch(0, 4)
+        engine.backward(F.mse_loss(engine(x).float(), y))
+        assert (offload == "offload_param") == any(unit.param_offloaded for unit in engine.units)
+        normed, vector_norm = [], torch.linalg.vector_norm
+
+        def recording(t, *args, **kwargs):
+            normed.append(t.dtype)
+            return vector_norm(t, *args, **kwargs)
+        monkeypatch.setattr(torch.linalg, "vector_norm", recording)
+        engine.step()
+        monkeypatch.undo()
+    assert normed and set(normed) == {torch.bfloat16}, normed
+
+
+def test_the_cuda_copies_are_ordered_by_streams_and_events(monkeypatch):
+    """The CUDA branch of GradStaging, which the CPU never takes, run with fake streams and events that log what
+    would be ordered after what: each delivery's copy waits for the compute stream and runs on the side stream; a
+    second delivery into the shard waits for the copy in flight; the host reads only after both streams; the
+    shards are zeroed (after `settle`) only after the side stream."""
+    log, active = [], []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other) -> None:
+            log.append(f"{self.name} waits {other.name}")
+
+        def wait_event(self, event) -> None:
+            log.append(f"{self.name} waits {event.name}")
+
+        def synchronize(self) -> None:
+            log.append(f"host waits {self.name}")
+
+    class Event:
+        def __init__(self) -> None:
+            self.name = "event"
+
+        def record(self, stream) -> None:
+            log.append(f"event on {stream.name}")
+
+    class StreamContext:
+        def __init__(self, stream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            active.append(self.stream)
+
+        def __exit__(self, *exc) -> None:
+            active.pop()
+
+    compute = Stream("compute")
+    copy = torch.Tensor.copy_
+
+    def logged_copy(dst, src, non_blocking=False):
+        log.append(f"copy on {(active or [compute])[-1].name}")
+        return copy(dst, src, non_blocking)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: (active or [compute])[-1])
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    from zerodp.optim.grad_staging import GradStaging
+
+    staging = GradStaging(Home(HOST, torch.float32), torch.device("cuda", 0))
+    shard, untouched = torch.arange(4.0), torch.ones(3)
+    staging.arm(True)
+    staging.before_write(0)             # the first round's wait(): nothing in flight
+    staging.after_write(0, shard)       # its delivery
+    staging.before_write(0)             # a late gradient's second round: its wait() ...
+    shard.add_(1.0)                     # ... then its delivery adds into the shard
+    staging.after_write(0, shard)
+    took = staging.take(0, shard)       # the copy of the last delivery; a unit not delivered is copied now:
+    staging.take(1, untouched)
+    staging.wait()
+    staging.settle()
+    assert log == ["side waits compute", "copy on side", "event on side",
+                   "compute waits event",
+                   "side waits compute", "copy on side", "event on side",
+                   "copy on compute",
+                   "host waits side", "host waits compute",
+                   "compute waits side"]
+    assert torch.equal(took, shard) and staging.staged_copies == 2

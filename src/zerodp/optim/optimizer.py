@@ -177,8 +177,9 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         overflow = comm.all_reduce_max_flag(local, self.process_group, tag="control")
         return overflow if self.model_parallel is None else self.model_parallel.any_overflow(overflow)
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The unsharded model's gradient norm, a float64 tensor on the gradients' device (not read here)."""
+    def _global_norm(self, grads: list[torch.Tensor], casts: bool = False) -> torch.Tensor:
+        """The unsharded model's gradient norm, a float64 tensor on the gradients' device (not read here).
+        `casts`: each of `grads` is its shard, or the shard cast to the master dtype (no loss scale)."""
         if self.model_parallel is not None:  # sharded parameters summed over tensor-parallel ranks, others once
             sq = self.model_parallel.square_norms(self.units, grads)
             norm = math.sqrt(self.model_parallel.global_norm_squared(sq, self.process_group, self.sharded))
@@ -186,7 +187,10 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
         for unit, g in zip(self.units, grads):
             # the unit's own shard: its norm (an offloaded shard's is kept from its delivery, not read)
-            sq += unit.grad_square_norm() if g is unit.grad_shard else square_norm(g)
+            # A cast's norm is its shard's: taken from the shard, as the transient and host steps do, so every path
+            # (offloaded or not) clips by the same bits. On a CPU both are one computation; a GPU reduces a bf16
+            # input in its own kernel, whose summation order need not be that of the fp32 copy's.
+            sq += unit.grad_square_norm() if g is unit.grad_shard or casts else square_norm(g)
         if self.sharded:
             comm.all_reduce(sq, self.process_group, tag="norm")
         return sq.sqrt()[0]  # float64 sqrt: correctly rounded, as math.sqrt
@@ -244,7 +248,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             if self.scaler.scale != 1.0:
                 g = g.div(self.scaler.scale) if g is unit.grad_shard else g.div_(self.scaler.scale)
             grads.append(g)
-        norm = self._global_norm(grads)
+        norm = self._global_norm(grads, casts=self.scaler.scale == 1.0)
         self._norm, self._norm_value = norm, None
         coef = self._clip_coefficient(norm)
         if not transient:  # clipped and bound where they are (streamed shards per window); host copies for a host step
