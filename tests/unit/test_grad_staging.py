@@ -218,3 +218,41 @@ def test_the_cuda_copies_are_ordered_by_streams_and_events(monkeypatch):
                    "host waits side", "host waits compute",
                    "compute waits side"]
     assert torch.equal(took, shard) and staging.staged_copies == 2
+
+
+def test_updated_parameters_go_back_to_the_gpu_without_a_host_wait(monkeypatch):
+    """The host step's write-back (step_plan.py `_copy_to_device`), whose CUDA branch the CPU never takes, run with
+    a fake event: the copy from the pinned buffer is queued non-blocking, and the next step writes that buffer only
+    after waiting for the event of the copy that read it (no other wait)."""
+    log = []
+
+    class Event:
+        def record(self, stream) -> None:
+            log.append(f"event on {stream}")
+
+        def synchronize(self) -> None:
+            log.append("host waits event")
+
+    copy = torch.Tensor.copy_
+
+    def logged_copy(dst, src, non_blocking=False):
+        log.append(f"copy non_blocking={non_blocking}")
+        return copy(dst, src, non_blocking)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    from zerodp.optim.step_plan import StepPlan
+
+    plan = StepPlan.__new__(StepPlan)  # only the write-back's state: the rest of a plan is not read here
+    plan._param_staging, plan._param_copies = {}, {}
+    plan.placement = dataclasses.make_dataclass("P", ["param_staging"])(Home(HOST, torch.bfloat16, pinned=False))
+    shard, master = torch.zeros(4, dtype=torch.bfloat16), torch.arange(4.0)
+    for step in range(2):
+        plan._copy_to_device(0, shard, plan._param_staged(0, master + step))
+    assert log == ["copy non_blocking=False",                    # the cast into the staging buffer (host)
+                   "copy non_blocking=True", "event on compute",  # queued on the compute stream
+                   "host waits event",                          # the next step, before it writes the buffer
+                   "copy non_blocking=False", "copy non_blocking=True", "event on compute"]
+    assert torch.equal(shard, (master + 1).to(torch.bfloat16))

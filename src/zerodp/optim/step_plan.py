@@ -80,6 +80,7 @@ class StepPlan:
                 if not self.stream_grads[index]:
                     unit.grads.observe_deliveries(self.staging.observer(index))
         self._param_staging: dict[int, torch.Tensor] = {}
+        self._param_copies: dict[int, "torch.cuda.Event"] = {}  # unit -> the copy out of its staging buffer in flight
         self._coef: Optional[torch.Tensor] = None  # this step's clip coefficient (None: no clipping)
 
     # -- gradients -----------------------------------------------------------------------------
@@ -203,13 +204,31 @@ class StepPlan:
         for index, (unit, master) in enumerate(zip(self.units, self.masters)):
             with unit.resident(dirty=True):
                 if self.host_step:
-                    unit.param_shard.copy_(self._param_staged(index, master))
+                    self._copy_to_device(index, unit.param_shard, self._param_staged(index, master))
                 else:
                     unit.param_shard.copy_(master)
+
+    def _copy_to_device(self, index: int, shard: torch.Tensor, staged: torch.Tensor) -> None:
+        """Copy a unit's staged parameters into its shard. From a pinned buffer into GPU memory the copy is queued
+        on the compute stream without a host wait (the next forward's kernels run after it, in stream order),
+        and an event marks when the buffer may be written again (`_param_staged`); elsewhere it is a plain copy."""
+        if not (shard.is_cuda and staged.is_pinned()):
+            shard.copy_(staged)
+            return
+        shard.copy_(staged, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(shard.device))
+        self._param_copies[index] = event
 
     def _param_staged(self, index: int, master: torch.Tensor) -> torch.Tensor:
         """The master cast to the parameters' dtype on the host, in a pinned buffer: the copy to the GPU is
         then one DMA of 2-byte elements, and the cast is the same round-to-nearest-even a GPU does."""
+        in_flight = self._param_copies.pop(index, None)
+        if in_flight is not None:
+            # note: a sync point, normally free: the last step's copy out of this buffer finished long ago (a
+            # whole forward and backward ran after it on the same stream); without it the host could overwrite
+            # the buffer while the DMA still reads it
+            in_flight.synchronize()
         home = self.placement.param_staging
         buf = self._param_staging.get(index)
         if buf is None or buf.numel() != master.numel():
