@@ -11,6 +11,15 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+# [Note: a default group kept alive by default arguments] torch.distributed.nn.functional defines its collectives
+# with `group=group.WORLD` as a default argument, evaluated when the module is first imported. torch imports it
+# late, on its own: the first optimizer step imports torch._dynamo, which imports FSDP, which imports it. If that
+# happens while a default group lives, every one of those functions keeps that group object as a default, so
+# destroy_process_group() cannot free it: its gloo threads run on to interpreter shutdown, where C++ static
+# destructors end them and the process sometimes aborts ("terminate called without an active exception"; 1 run
+# in 12-50 of `zerodp train` under torchrun, on CPU and CUDA builds alike). Imported here, before zerodp makes
+# any group, the defaults are None.
+import torch.distributed.nn.functional  # noqa: F401  (imported for the side effect above)
 
 from . import local_groups, watchdog
 from .backend import default_backend
@@ -48,7 +57,8 @@ def init_distributed(timeout_s: Optional[float] = None) -> bool:
     # [Note: teardown] A process group left alive until interpreter shutdown is destroyed by C++
     # static destructors while gloo's threads still run: "terminate called without an active
     # exception", SIGABRT, and torchrun reports a finished job as failed (2 of 12 runs here). An
-    # explicit destroy before shutdown joins those threads first. atexit runs before that shutdown,
+    # explicit destroy before shutdown joins those threads first, provided nothing else still holds
+    # the group ([Note: a default group kept alive by default arguments]). atexit runs before that shutdown,
     # after the script's last line, also when it ends with an exception.
     atexit.unregister(_destroy_if_owned)  # registered once, however often a group is created
     atexit.register(_destroy_if_owned)
