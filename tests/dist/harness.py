@@ -49,6 +49,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+# before any group exists, as zerodp.comm does ([Note: a default group kept alive by default arguments]): else the
+# workers' default group outlives destroy_process_group at pool close and meets C++ static destructors at exit
+import torch.distributed.nn.functional  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 120.0
