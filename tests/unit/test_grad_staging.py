@@ -243,11 +243,11 @@ def test_updated_parameters_go_back_to_the_gpu_without_a_host_wait(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    from zerodp.optim.grad_staging import HostBuffers
     from zerodp.optim.step_plan import StepPlan
 
     plan = StepPlan.__new__(StepPlan)  # only the write-back's state: the rest of a plan is not read here
-    plan._param_staging, plan._param_copies = {}, {}
-    plan.placement = dataclasses.make_dataclass("P", ["param_staging"])(Home(HOST, torch.bfloat16, pinned=False))
+    plan._param_staging, plan._param_copies = HostBuffers(Home(HOST, torch.bfloat16, pinned=False)), {}
     shard, master = torch.zeros(4, dtype=torch.bfloat16), torch.arange(4.0)
     for step in range(2):
         plan._copy_to_device(0, shard, plan._param_staged(0, master + step))

@@ -43,7 +43,7 @@ class GradStaging:
         self.device = torch.device(device)    # where the shards live (the model's device)
         self.cuda = self.device.type == "cuda"
         self.armed = False                    # deliveries now are the step's final values
-        self._buffers: dict[int, torch.Tensor] = {}   # unit index -> its host buffer (allocated once)
+        self._buffers = HostBuffers(home)             # unit index -> its host buffer (allocated once)
         self._events: dict[int, object] = {}          # unit index -> the event of its copy in flight (CUDA)
         self._fresh: set[int] = set()                 # units whose buffer holds the shard's final value
         self._stream = None                           # the side stream of the copies (CUDA, made on first use)
@@ -71,7 +71,7 @@ class GradStaging:
         """Unit `index`'s shard received a reduced slice; while armed, queue its copy to the host."""
         if not self.armed:
             return
-        buf = self._buffer(index, shard.numel())
+        buf = self._buffers.get(index, shard.numel())
         if not self.cuda:  # one memory: a plain copy
             buf.copy_(shard)
         else:
@@ -92,12 +92,12 @@ class GradStaging:
         """Unit `index`'s host copy of `shard`: the one queued at its last delivery, or (none fresh) one
         queued now. Read it only after `wait()`."""
         if index in self._fresh:
-            return self._buffers[index]
+            return self._buffers.get(index, shard.numel())
         return self.copy_now(index, shard)
 
     def copy_now(self, index: int, g: torch.Tensor) -> torch.Tensor:
         """Queue a copy of `g` into unit `index`'s buffer on the current stream (read it after `wait()`)."""
-        buf = self._buffer(index, g.numel())
+        buf = self._buffers.get(index, g.numel())
         buf.copy_(g, non_blocking=self.home.pinned)
         self._fresh.discard(index)  # the buffer no longer holds the copy made at the delivery
         return buf
@@ -121,9 +121,24 @@ class GradStaging:
 
     def nbytes(self) -> int:
         """Host bytes of the buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return self._buffers.nbytes()
 
-    def _buffer(self, index: int, numel: int) -> torch.Tensor:
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+
+class HostBuffers:
+    """One host buffer per unit at `home` (pinned where it says), made on first use and kept: the gradient copies
+    here and the step plan's updated parameters (step_plan.py) both stage through them."""
+
+    def __init__(self, home: Home) -> None:
+        self.home = home
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def get(self, index: int, numel: int) -> torch.Tensor:
+        """Unit `index`'s buffer of `numel` elements (contents undefined until written)."""
         buf = self._buffers.get(index)
         if buf is None or buf.numel() != numel:
             home = self.home
@@ -131,10 +146,9 @@ class GradStaging:
                                                      pin_memory=home.pinned)
         return buf
 
-    def _side_stream(self):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        return self._stream
+    def nbytes(self) -> int:
+        """Host bytes of the buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 class DeliveryObserver:

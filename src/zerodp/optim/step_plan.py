@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .grad_staging import GradStaging
+from .grad_staging import GradStaging, HostBuffers
 from ..placement import HOST, Placement
 from ..seams import ShardedUnit
 
@@ -79,7 +79,7 @@ class StepPlan:
             for index, unit in enumerate(units):
                 if not self.stream_grads[index]:
                     unit.grads.observe_deliveries(self.staging.observer(index))
-        self._param_staging: dict[int, torch.Tensor] = {}
+        self._param_staging = HostBuffers(placement.param_staging) if self.host_step else None
         self._param_copies: dict[int, "torch.cuda.Event"] = {}  # unit -> the copy out of its staging buffer in flight
         self._coef: Optional[torch.Tensor] = None  # this step's clip coefficient (None: no clipping)
 
@@ -229,17 +229,13 @@ class StepPlan:
             # whole forward and backward ran after it on the same stream); without it the host could overwrite
             # the buffer while the DMA still reads it
             in_flight.synchronize()
-        home = self.placement.param_staging
-        buf = self._param_staging.get(index)
-        if buf is None or buf.numel() != master.numel():
-            buf = self._param_staging[index] = torch.empty(master.numel(), dtype=home.dtype, device=home.device,
-                                                           pin_memory=home.pinned)
-        return buf.copy_(master)
+        return self._param_staging.get(index, master.numel()).copy_(master)
 
     def staging_bytes(self) -> int:
         """Host bytes of the pinned staging buffers (host step)."""
-        grads = self.staging.nbytes() if self.staging is not None else 0
-        return grads + sum(b.numel() * b.element_size() for b in self._param_staging.values())
+        if not self.host_step:
+            return 0
+        return self.staging.nbytes() + self._param_staging.nbytes()
 
 
 @contextlib.contextmanager
