@@ -1,4 +1,4 @@
-"""[Note: hook cost] (grads/grad_shard.py): the gradient hooks, which run once per parameter per backward, issue no
+"""[Note: hook cost] (grads/param_hook.py): the gradient hooks, which run once per parameter per backward, issue no
 tensor operation of their own beyond moving the gradient (none at all where autograd accumulates into the buffer
 view: [Note: gradients as buffer views]); the work per bucket or unit (launching its reduction) is bounded
 per unit. Counted as operations under AccumulateGrad in torch.profiler's tree, not timed.

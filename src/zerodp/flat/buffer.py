@@ -57,6 +57,7 @@ class FlatBuffer:
                              f"got shape {tuple(data.shape)}")
         self.tensor = data
         self._views: Optional[tuple[torch.Tensor, ...]] = None  # made once, see views()
+        self._aliases: Optional[tuple[torch.Tensor, ...]] = None  # made once, see aliases()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -80,6 +81,19 @@ class FlatBuffer:
             self._views = tuple(t[off:off + n].view(shape)
                                 for off, n, shape in zip(layout.offsets, layout.numels, layout.shapes))
         return self._views
+
+    def aliases(self) -> tuple[torch.Tensor, ...]:
+        """Every parameter's elements as a tensor of its own over the buffer's storage (`set_`): the memory of
+        `views()`, but each with its own version counter, where views share their base's. An in-place add into
+        one (autograd accumulating a gradient into a `.grad`) then shows on that tensor alone, which is how a
+        bucket tells which of its parameters got a gradient without a hook per parameter ([Note: arrivals read
+        from version counters] in grads/bucket_intake.py). Made once, while the storage exists, like the views."""
+        if self._aliases is None:
+            t, layout = self.tensor, self.layout
+            storage, base = t.untyped_storage(), t.storage_offset()
+            self._aliases = tuple(torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, base + off, shape)
+                                  for off, shape in zip(layout.offsets, layout.shapes))
+        return self._aliases
 
     def shard(self, shard: int) -> torch.Tensor:
         """The slice owned by `shard` (a view: writes go to the buffer)."""

@@ -1,7 +1,7 @@
 """The gradient life cycle of one flat buffer of parameters, the same at every stage: `GradShard`.
 
 A stage 0-2 gradient bucket and a stage-3 flat unit both hold one `GradShard`. As backward produces
-each parameter's gradient (a post-accumulate-grad hook, built by `make_hook`), `add_grad` moves it
+each parameter's gradient (a post-accumulate-grad hook, grads/param_hook.py; stages 0-1 one per bucket, grads/bucket_intake.py), `add_grad` moves it
 into the flat full buffer and drops the parameter's own `.grad`; where the full buffer persists in the
 parameters' dtype (stages 0-1), autograd accumulates straight into it instead ([Note: gradients as
 buffer views]). A reduction (`launch`, then `wait`) sums the full
@@ -78,22 +78,22 @@ class GradShard:
             raise AssertionError(f"gradient shard {name}: a persistent full buffer cannot mix reduction dtypes "
                                  f"(buckets are split by reduction dtype)")
         self._pending_low: Optional[PendingReduce] = None  # the split's low-dtype reduction in flight
-        # [Note: hook cost] `add_grad` runs once per parameter per backward, inside autograd's AccumulateGrad
-        # node: its per-parameter flags are bytearrays (a tensor element write is a dispatcher call, microseconds)
-        # and the full buffer's per-parameter views are made once (FlatBuffer.views).
+        # per-parameter flags are bytearrays: the hook reads and writes them once per parameter ([Note: hook cost] in
+        # grads/param_hook.py)
         # Parameters whose gradient was written into the full buffer since it was allocated (1 per parameter);
         # None: every element holds a value (the persistent buffer, or after `_fill_unwritten`)
         self._written: Optional[bytearray] = None
         self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
-        self.full.views()  # made now, while the storage exists (a view of a freed storage cannot be made)
+        # per parameter, made now while the storage exists (none can be made over a freed one): aliases, not views,
+        # so that each has a version counter of its own (flat/buffer.py FlatBuffer.aliases)
+        self.views = self.full.aliases()
         if keep_full:
             self.shard = self.full.shard(shard_index)
         else:
             free_storage(self.full.tensor)  # allocated per round, see _ensure_full
             self.shard = torch.zeros(layout.shard_size(shard_index), dtype=accum_dtype, device=first.device)
         self.state = GradState.IDLE
-        self._reported = bytearray(len(params))  # 1: the parameter was heard from this round
-        self._num_reported = 0
+        self._clear_reported()  # _reported (1: the parameter was heard from this round), its count, _closed
         self._received = bytearray(len(params))  # 1: ... since the last optimizer step
         self.rounds_launched = 0                                      # reductions launched this micro-step
         self._stash: Optional[torch.Tensor] = None  # keep_full: earlier rounds' reduced slice
@@ -141,8 +141,13 @@ class GradShard:
 
     @property
     def complete(self) -> bool:
-        """Every parameter reported a gradient in this round."""
-        return self._num_reported == len(self.params)
+        """Every parameter reported a gradient in this round, or the round was closed (`close_round`)."""
+        return self._num_reported == len(self.params) or self._closed
+
+    def close_round(self) -> None:
+        """Call this round complete although not every parameter reported: a bucket's trigger fired
+        (grads/bucket_intake.py); a gradient still to come is a late one, taken in by another round."""
+        self._closed = True
 
     @property
     def received(self) -> torch.Tensor:
@@ -152,6 +157,7 @@ class GradShard:
     def _clear_reported(self) -> None:
         self._reported = bytearray(len(self.params))
         self._num_reported = 0
+        self._closed = False
 
     @property
     def nbytes(self) -> int:
@@ -180,7 +186,7 @@ class GradShard:
         """Zero the full buffer's parameters that no gradient wrote since it was allocated, and its padding."""
         if self._written is None:
             return
-        for view, written in zip(self.full.views(), self._written):
+        for view, written in zip(self.views, self._written):
             if not written:
                 view.zero_()
         self.full.zero_padding()
@@ -196,13 +202,13 @@ class GradShard:
         self._clear_reported()
 
     def add_grad(self, index: int) -> None:
-        """Move parameter `index`'s fresh `.grad` into the full buffer (called from its hook; see
-        [Note: hook cost]: the common case, FILLING, is a few attribute reads and one copy or add)."""
+        """Move parameter `index`'s fresh `.grad` into the full buffer: the general path of its hook
+        (grads/param_hook.py runs the common case, FILLING, inline), and of a late gradient (bucket_intake)."""
         p = self.params[index]
         grad = p.grad
         if grad is None:
             return
-        if self.grad_views and grad is self.full.views()[index]:  # accumulated in place (attach_grad_views)
+        if self.grad_views and grad is self.views[index]:  # accumulated in place (attach_grad_views)
             if self.state is not GradState.FILLING:
                 self._to(GradState.FILLING)  # attached only while IDLE or FILLING: never during a reduction
             self._mark(index)
@@ -217,57 +223,31 @@ class GradShard:
         # first one since the buffer was allocated is copied (the same value as adding it to zeros)
         written = self._written
         if written is not None and not written[index]:
-            self.full.views()[index].copy_(grad)
+            self.views[index].copy_(grad)
             written[index] = 1
         else:
-            self.full.views()[index].add_(grad)
+            self.views[index].add_(grad)
         p.grad = None  # the shard holds it now; dropping .grad is what frees the per-parameter copy
         self._mark(index)
 
-    def make_hook(self, index: int, gate, on_complete: Callable[[], None]) -> Callable[[torch.Tensor], None]:
-        """The post-accumulate-grad hook of parameter `index` ([Note: hook cost]): refuse a gradient unless
-        `gate.in_backward`, take it in (`add_grad`), and call `on_complete` when this round's last parameter
-        reports. Its common cases (FILLING: the gradient accumulated into its buffer view, or one copy or add)
-        run inline, without further Python calls: it runs once per parameter per backward."""
-        view = self.full.views()[index]
-        count = len(self.params)
-        filling = GradState.FILLING
-        views = self.grad_views
+    def mark(self, index: int) -> None:
+        """Parameter `index`'s gradient is in the buffer (autograd added it into its alias before the round
+        launched, or a foreach add moved it in)."""
+        if self.state is GradState.IDLE:
+            self._to(GradState.FILLING)
+        self._mark(index)
 
-        def hook(param: torch.Tensor) -> None:
-            if not gate.in_backward:
-                param.grad = None  # discarded: it would otherwise be added silently into the next step
-                raise RuntimeError("zerodp: a gradient was accumulated outside engine.backward(loss) and was "
-                                   "discarded; call engine.backward(loss) instead of loss.backward()")
-            grad = param.grad
-            if grad is None:
-                return
-            if self.state is not filling:
-                self.add_grad(index)  # a state transition: the general path, which marks the parameter itself
-                if self._num_reported == count:
-                    on_complete()
-                return
-            if views and grad is view:
-                pass  # autograd added it in place
-            else:
-                written = self._written
-                if written is not None and not written[index]:
-                    view.copy_(grad)
-                    written[index] = 1
-                else:
-                    view.add_(grad)
-                param.grad = None
-            reported = self._reported
-            if not reported[index]:
-                reported[index] = 1
-                self._num_reported += 1
-                if self._num_reported == count:
-                    on_complete()
-            self._received[index] = 1
-        return hook
+    @property
+    def reported(self) -> bytes:
+        """Per parameter: 1 if heard from in this round."""
+        return bytes(self._reported)
+
+    last_reported = -1  # the parameter heard from last in a micro-step's first round (bucket_intake learns from it)
 
     def _mark(self, index: int) -> None:
         if not self._reported[index]:
+            if not self.rounds_launched:
+                self.last_reported = index
             self._reported[index] = 1
             self._num_reported += 1
         self._received[index] = 1
@@ -277,14 +257,14 @@ class GradShard:
         views]): before a backward where the buffer persists, when a round's first gradient allocates it
         otherwise; nothing where the buffer cannot be one, is being reduced or has no memory."""
         if self.grad_views and self.state is not GradState.REDUCING and self.full.nbytes:
-            for p, view in zip(self.params, self.full.views()):
+            for p, view in zip(self.params, self.views):
                 if p.grad is None:
                     p.grad = view
 
     def detach_grad_views(self) -> None:
         """Take the buffer views back from the parameters' .grad (none is attached while REDUCING or REDUCED)."""
         if self.grad_views and self.state is not GradState.REDUCING and self.state is not GradState.REDUCED:
-            for p, view in zip(self.params, self.full.views()):
+            for p, view in zip(self.params, self.views):
                 if p.grad is view:
                     p.grad = None
 

@@ -1,6 +1,6 @@
 """The stage 0-2 sharding strategy: `GradReducer`, what the engine drives (`seams.ShardingStrategy`).
 
-It hooks every bucket's parameters, reduces buckets through one `grads.reduce_queue.ReduceQueue` in
+It hooks every bucket's gradients (stages 0-1: one trigger per bucket, grads/bucket_intake.py), reduces buckets through one `grads.reduce_queue.ReduceQueue` in
 bucket order (see [Note: collective order] there) and, after the optimizer step, all-gathers the
 updated shards back into the full parameters (stages 1-2; stage 0 stepped them whole).
 """
@@ -13,6 +13,8 @@ from typing import ContextManager, Optional
 import torch
 
 from .. import comm
+from ..grads.bucket_intake import BucketIntake, Mode
+from ..grads.param_hook import STRAY, param_hook
 from ..grads.reduce_queue import MAX_INFLIGHT, ReduceQueue
 from .buckets import GradBucket, ReducePolicy
 
@@ -41,19 +43,39 @@ class GradReducer:
         inflight = MAX_INFLIGHT if policy.shard_optimizer else None
         self.queue = ReduceQueue(process_group, device, async_op=overlap, max_inflight=inflight if overlap else 0,
                                  reduce_all=True)
-        self._hooks = []
-        for bucket in buckets:
-            for index, p in enumerate(bucket.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(bucket, index)))
+        # Stages 0-1 (the gradient buffer persists, in the parameters' dtype): one hook per bucket once its trigger is
+        # learned ([Note: arrivals read from version counters] in grads/bucket_intake.py); else one per parameter.
+        self.intakes = [BucketIntake(b.grads) if b.grads.keep_full and b.grads.grad_views else None for b in buckets]
+        self._hooks: list[list] = [[] for _ in buckets]
+        for k in range(len(buckets)):
+            self._install_hooks(k)
 
     @property
     def reduces_every_micro_step(self) -> bool:
         return self.policy.reduces_every_micro_step
 
-    def _make_hook(self, bucket: GradBucket, index: int):
-        # runs once per parameter per backward: built by the gradient shard ([Note: hook cost] in
-        # grads/grad_shard.py), refusing gradients outside engine.backward (self.in_backward)
-        return bucket.grads.make_hook(index, self, self._on_bucket_complete)
+    def _install_hooks(self, k: int) -> None:
+        """(Re-)register bucket k's gradient hooks: its trigger's, or one per parameter (bucket_intake.Mode)."""
+        for h in self._hooks[k]:
+            h.remove()
+        bucket, intake = self.buckets[k], self.intakes[k]
+        if intake is not None and intake.mode is Mode.TRIGGER:
+            hook = intake.make_hook(self, self._on_bucket_complete, self._discard_strays)
+            self._hooks[k] = [bucket.params[intake.trigger].register_post_accumulate_grad_hook(hook)]
+            return
+        # runs once per parameter per backward ([Note: hook cost] in grads/param_hook.py), refusing gradients
+        # outside engine.backward (self.in_backward)
+        g = bucket.grads
+        self._hooks[k] = [p.register_post_accumulate_grad_hook(param_hook(g, i, self, self._on_bucket_complete,
+                                                                          self._discard_strays))
+                          for i, p in enumerate(bucket.params)]
+
+    def _discard_strays(self) -> int:
+        """Drop every .grad a stray backward left on the stage 0-1 buckets' parameters; how many there were."""
+        strays = [p for intake in self.intakes if intake is not None for p in intake.strays()]
+        for p in strays:
+            p.grad = None
+        return len(strays)
 
     def _on_bucket_complete(self) -> None:
         """A bucket got its last gradient: launch, in order, what is ready (only a completion can free one)."""
@@ -62,9 +84,14 @@ class GradReducer:
 
     def start_micro_step(self, reduce: bool) -> None:
         """Before one backward; `reduce` says whether gradients are reduced after it."""
+        if self._discard_strays():  # a stray backward that reached no trigger ([Note: arrivals read from ...])
+            raise RuntimeError(STRAY + " (found at the next engine.backward; nothing of it was added)")
         self.reducing_this_micro_step = reduce
         self.in_backward = True
         self.queue.start([b.grads for b in self.buckets])
+        for intake in self.intakes:
+            if intake is not None:
+                intake.begin()
 
     def finish_micro_step(self, boundary: bool) -> Optional[torch.Tensor]:
         """After backward: finish every reduction (if this micro-step reduces).
@@ -73,6 +100,9 @@ class GradReducer:
         whether the parameter got a gradient on any rank during the step; None otherwise.
         """
         self.in_backward = False
+        for k, intake in enumerate(self.intakes):
+            if intake is not None and intake.settle():
+                self._install_hooks(k)  # the trigger moved
         for bucket in self.buckets:  # [Note: gradients as buffer views] in grads/grad_shard.py
             bucket.grads.detach_grad_views()
         if not self.reducing_this_micro_step:
@@ -110,6 +140,7 @@ class GradReducer:
 
     def close(self) -> None:
         """Remove the gradient hooks construction installed (idempotent)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        for hooks in self._hooks:
+            for h in hooks:
+                h.remove()
+            hooks.clear()

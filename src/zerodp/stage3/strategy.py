@@ -45,6 +45,7 @@ from typing import ContextManager, Optional
 import torch
 from torch import nn
 
+from ..grads.param_hook import param_hook
 from ..grads.reduce_queue import MAX_INFLIGHT, ReduceQueue
 from ..offload.null_store import NullShardStore
 from ..offload.shard_store import ShardStore
@@ -132,14 +133,14 @@ class Stage3Sharding:
     # -- gradients ----------------------------------------------------------------------------------
 
     def _grad_hook(self, flat: FlatUnit, index: int):
-        # runs once per parameter per backward: built by the gradient shard ([Note: hook cost] in
-        # grads/grad_shard.py), refusing gradients outside engine.backward (the schedule's in_backward)
+        # runs once per parameter per backward ([Note: hook cost] in grads/param_hook.py), refusing gradients
+        # outside engine.backward (the schedule's in_backward)
         owner = self._owner[id(flat)]
 
         def on_complete() -> None:
             self.queue.launch_ready()
             owner.on_gradients_complete()
-        return flat.grads.make_hook(index, self.schedule, on_complete)
+        return param_hook(flat.grads, index, self.schedule, on_complete)
 
     def _reduction_order(self) -> list[FlatUnit]:
         """Trainable flat units by reverse first use in the last forward, then the rest ([Note: reduction order])."""
