@@ -37,6 +37,7 @@ anything is added (`strays`).
 
 from __future__ import annotations
 
+import operator
 from enum import Enum, auto
 from typing import Callable
 
@@ -103,12 +104,11 @@ class BucketIntake:
         """Mark the parameters whose alias autograd added into since the last look. After a launch the aliases
         are detached, so only a gradient added before it shows here (it went into the launched round): one that
         came after the trigger, while the queue held the launch back for an earlier bucket, is marked at `settle`."""
-        g, seen = self.grads, self._seen
-        for i, a in enumerate(g.views):
-            v = a._version
-            if v != seen[i]:
-                seen[i] = v
-                g.mark(i)
+        versions = [a._version for a in self.grads.views]
+        if versions != self._seen:
+            arrived = bytes(map(operator.ne, versions, self._seen))  # 1 where the version moved
+            self._seen = versions
+            self.grads.mark_many(arrived)
 
     def settle(self) -> bool:
         """At the end of a backward: take in what is left and choose the next mode. True when the hooked

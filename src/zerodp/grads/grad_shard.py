@@ -230,12 +230,16 @@ class GradShard:
         p.grad = None  # the shard holds it now; dropping .grad is what frees the per-parameter copy
         self._mark(index)
 
-    def mark(self, index: int) -> None:
-        """Parameter `index`'s gradient is in the buffer (autograd added it into its alias before the round
-        launched, or a foreach add moved it in)."""
+    def mark_many(self, arrived: bytes) -> None:
+        """Every parameter whose byte in `arrived` is 1 got its gradient into the buffer (autograd added it into its
+        alias: bucket_intake's scan). The flags are OR-ed as integers, in C: a call per parameter costs a frame each."""
         if self.state is GradState.IDLE:
             self._to(GradState.FILLING)
-        self._mark(index)
+        n = len(arrived)
+        new = int.from_bytes(arrived, "little")
+        self._reported = bytearray((int.from_bytes(self._reported, "little") | new).to_bytes(n, "little"))
+        self._num_reported = self._reported.count(1)
+        self._received = bytearray((int.from_bytes(self._received, "little") | new).to_bytes(n, "little"))
 
     @property
     def reported(self) -> bytes:
