@@ -8,17 +8,19 @@ One answer per kind of tensor (a `Home`: device, dtype, pinned host memory or no
     grad_shards     the reduced gradient shard at rest (files: fp32 training with offload_param nvme)
     masters         the fp32 master shards the optimizer updates
     states          the optimizer's elementwise state at rest (offload_optimizer: host memory or files)
-    grad_staging    the host buffer a reduced gradient shard is copied into for a step on the host
+    grad_staging    what a reduced gradient shard's copy to the host carries for a step there: the shard's
+                    own dtype, pinned (the step reads it widened to the masters' dtype on the host)
     param_staging   the host buffer updated parameters are cast into before their copy to the GPU
 
 Without offload everything lives on the model's device. ZeRO-Offload (`offload_optimizer`) on a GPU
 keeps the 16-bit parameters and the compute on the GPU and moves the optimizer to the host: masters and
 states live there and are stepped there (nvme: states in files, streamed through the step); the
-reduced gradient shard is copied into a pinned host buffer before the step, and the updated parameters
-are cast into a pinned host buffer and copied back. `offload_param` moves stage 3's parameter shards
-between uses (pinned host memory for `cpu`, files for `nvme`) and leaves the masters where
-offload_optimizer puts them. On a machine whose model is on the CPU, host memory is the only memory:
-`cpu` offload moves nothing (the offload code paths still run: nvme streams its files).
+reduced gradient shard is copied, in its own dtype, into a pinned host buffer before the step (and widened
+to fp32 there), and the updated parameters are cast into a pinned host buffer and copied back.
+`offload_param` moves stage 3's parameter shards between uses (pinned host memory for `cpu`, files for
+`nvme`) and leaves the masters where offload_optimizer puts them. On a machine whose model is on the CPU,
+host memory is the only memory: `cpu` offload moves nothing (the offload code paths still run: nvme
+streams its files).
 
 Everything that needs a device takes it from here (the optimizer's masters and step, the offload
 stores' pinning, the checkpoint's collectives), so nobody guesses one from a neighbouring tensor. A
@@ -139,7 +141,10 @@ def placement_of(config: ZeroConfig, device: torch.device) -> Placement:
     # A step on the host reads its gradients from, and sends its parameters through, page-locked buffers:
     # a copy from pageable memory is staged by the driver and blocks the host; from pinned memory it is one
     # DMA that may overlap other work.
-    grad_staging = Home(HOST, precision.master_dtype, pinned=True) if host_step else None
+    # The gradient copy carries the shard's own dtype (2 bytes per element in bf16/fp16, not an fp32 conversion
+    # made on the GPU first); the host widens it, exactly, for the step (optim/grad_staging.py [Note: 16-bit
+    # copies, widened on the host]).
+    grad_staging = Home(HOST, grad_dtype, pinned=True) if host_step else None
     param_staging = Home(HOST, param_dtype, pinned=True) if host_step else None
     return Placement(compute, grads, param_shards, grad_shards, masters, states, grad_staging, param_staging,
                      masters_are_shards=masters.device == device and masters.dtype == param_dtype,

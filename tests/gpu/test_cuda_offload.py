@@ -138,3 +138,21 @@ def test_cuda_offloaded_checkpoint_round_trip(nccl_group, tmp_path, stage, param
         continued = resumed.full_state_dict()
         for k in after:
             torch.testing.assert_close(continued[k], after[k], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_gradient_copy_lands_pinned_and_widens_exactly(dtype):
+    """ZeRO-Offload's gradient copy (optim/grad_staging.py [Note: 16-bit copies, widened on the host]) lands in the
+    last bytes of a pinned fp32 buffer: that view must be pinned too, or the non-blocking copy would be a staged
+    host copy that blocks; widened on the host, it is the shard's exact fp32 value."""
+    from zerodp.optim.grad_staging import landing_view, widen_in_place
+
+    numel = (1 << 20) + 3  # several blocks and a tail
+    shard = torch.randn(numel, device="cuda").to(dtype)
+    buf = torch.empty(numel, pin_memory=True)
+    landing = landing_view(buf, dtype)
+    assert landing.is_pinned() and landing.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    landing.copy_(shard, non_blocking=True)
+    torch.cuda.synchronize()
+    widen_in_place(buf, landing)
+    assert torch.equal(buf, shard.float().cpu())

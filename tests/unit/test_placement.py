@@ -47,9 +47,25 @@ def test_zero_offload_on_a_gpu_steps_on_the_host_through_pinned_staging(stage, b
     assert p.param_shards == p.compute
     assert p.masters == Home(HOST, FP32)  # fp32 too: a master on the host is never the GPU shard
     assert p.states == Home(HOST, FP32, pinned=pin, files=device == "nvme")
-    assert p.grad_staging == Home(HOST, FP32, pinned=True)
+    assert p.grad_staging == Home(HOST, dtype, pinned=True)  # the copies carry the shard's dtype (fp32 on the host)
     assert p.param_staging == Home(HOST, dtype, pinned=True)
     assert p.steps_on_host and not p.masters_are_shards
+
+
+@pytest.mark.parametrize("precision,accum,staged", [("fp16", None, torch.float16), ("bf16", "fp32", FP32),
+                                                    ("fp32", "bf16", BF16)])
+def test_the_gradient_copies_to_the_host_carry_the_shards_dtype(precision, accum, staged):
+    """The shard's dtype is the accumulation dtype (the parameters' unless data_types.grad_accum_dtype says):
+    the copy to the host carries it, the step reads it widened to fp32 (optim/grad_staging.py)."""
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    if accum:
+        cfg["data_types"] = {"grad_accum_dtype": accum}
+    p = placement_of(load_config(cfg), CUDA)
+    assert p.grads.dtype == staged and p.grad_staging == Home(HOST, staged, pinned=True)
+    assert p.masters.dtype == FP32
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -141,8 +157,8 @@ def test_a_step_through_host_staging_is_bitwise_the_step_in_place(bf16, stage, o
     cfg = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": bf16}, "gradient_clipping": 0.05,
            "zero_optimization": {"stage": stage, **offload}}
     dtype = BF16 if bf16 else FP32
-    forced = lambda config: {"masters_are_shards": False, "grad_staging": Home(HOST, FP32),  # noqa: E731
-                             "param_staging": Home(HOST, dtype)}
+    forced = lambda config: {"masters_are_shards": False, "grad_staging": Home(HOST, dtype),  # noqa: E731
+                             "param_staging": Home(HOST, dtype)}  # the GPU's homes, unpinned
     plain = _train(cfg)
     staged = _train(cfg, forced)
     assert plain.keys() == staged.keys()

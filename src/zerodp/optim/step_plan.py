@@ -18,7 +18,8 @@ units, decides:
 
 The windows and arithmetic on the CPU are exactly those of the code this replaces, so results are
 bitwise unchanged there. [Note: host-step arithmetic] On a GPU the host step's gradients are bitwise those
-a step on the GPU would read: the copy is of the shard as reduced (a bf16 -> fp32 cast is exact); the
+a step on the GPU would read: the copy is of the shard as reduced, in its own dtype, widened to fp32 on the
+host (a bf16/fp16 -> fp32 cast is exact: optim/grad_staging.py [Note: 16-bit copies, widened on the host]); the
 loss-scale division and the clip multiplication run on the host copy, and both are single correctly
 rounded IEEE operations per element (the clip coefficient is the same float64 value, cast to the
 gradient's dtype the same way on either device), so the host computes what the GPU computes. The
@@ -74,7 +75,8 @@ class StepPlan:
         self.host_step = placement.grad_staging is not None
         # host step: each shard's copy is queued at its last delivery before the step (streamed shards: read
         # per window at the step, and copied then)
-        self.staging = GradStaging(placement.grad_staging, placement.compute.device) if self.host_step else None
+        self.staging = (GradStaging(placement.grad_staging, placement.compute.device, placement.masters.dtype)
+                        if self.host_step else None)
         if self.staging is not None:
             for index, unit in enumerate(units):
                 if not self.stream_grads[index]:
