@@ -97,6 +97,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn: connection.
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=_GLOO_TIMEOUT
         )
+        # the pool is up once every rank has connected, so that no close can meet a rank still connecting
+        # ([Note: a communicator is made when every member has connected] in zerodp/comm/communicator.py)
+        dist.barrier()
     except BaseException:
         _send(conn, "error", traceback.format_exc())
         return

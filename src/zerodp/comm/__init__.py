@@ -1,7 +1,8 @@
 """Communication: the collectives zerodp uses (`collectives.py`), with traffic recording for tests, and
 collectives over shards of unequal sizes (`uneven.py`), what zerodp asks of a group and the world-size-1
-switch (`group.py`), the watchdog and flight recorder over every wait (`watchdog.py`), and the default
-process group's life cycle (`process_group.py`) on the backend `backend.py` chooses.
+switch (`group.py`), the watchdog and flight recorder over every wait (`watchdog.py`), making a communicator
+(`communicator.py`), and the default process group's life cycle (`process_group.py`) on the backend `backend.py`
+chooses.
 
 Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
 is re-exported here.

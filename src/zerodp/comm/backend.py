@@ -36,6 +36,14 @@ def nccl_serves_cuda(backend: str) -> bool:
     return any(e == "nccl" or [p.strip() for p in e.split(":", 1)] == ["cuda", "nccl"] for e in entries)
 
 
+def gloo_serves_cpu(backend: str) -> bool:
+    """Does a group of `backend` (as `dist.get_backend` names it) reduce CPU tensors with gloo? "gloo" and
+    "cpu:gloo,cuda:nccl" do. Such a group connects its ranks when it is made ([Note: a communicator is made when
+    every member has connected] in communicator.py)."""
+    entries = [e.strip().lower() for e in backend.split(",")]
+    return any(e == "gloo" or [p.strip() for p in e.split(":", 1)] == ["cpu", "gloo"] for e in entries)
+
+
 def usable_backend_entries(dist_backend: str, available: dict[str, bool]) -> str:
     """`dist_backend` ("cpu:gloo,cuda:nccl") without the `device:backend` entries that cannot serve here.
 

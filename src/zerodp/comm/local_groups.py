@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .communicator import new_group
+
 
 class _Pool:
     """The communicators given back, per (ranks, backend), for one default group."""
@@ -54,7 +56,7 @@ def local_group(ranks: list[int], backend: str) -> dist.ProcessGroup:
     key = (tuple(sorted(ranks)), str(backend))
     if pool.free[key]:
         return pool.free[key].pop()
-    group = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+    group = new_group(list(ranks), backend, local=True)
     pool.made[id(group)] = key
     return group
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  (imported for the side effect above)
 
 from . import local_groups, watchdog
+from .communicator import new_group, wait_for_members
 from .backend import default_backend
 from .group import ProcessGroup, backend_name, is_initialized, issues_no_collectives
 
@@ -53,6 +54,7 @@ def init_distributed(timeout_s: Optional[float] = None) -> bool:
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
+    wait_for_members()  # [Note: a communicator is made when every member has connected]
     _created_group = dist.group.WORLD
     # [Note: teardown] A process group left alive until interpreter shutdown is destroyed by C++
     # static destructors while gloo's threads still run: "terminate called without an active
@@ -122,7 +124,7 @@ def new_group_like(group: ProcessGroup = None) -> ProcessGroup:
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     if whole_world:
         # every rank calls this: torch's counter-named, globally synchronized form, whose names never repeat
-        return dist.new_group(ranks, backend=backend_name(group))
+        return new_group(ranks, backend_name(group))  # [Note: a communicator is made when every member has connected]
     return local_groups.local_group(ranks, backend_name(group))  # [Note: local communicators]
 
 

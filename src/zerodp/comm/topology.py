@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from .communicator import new_group
 from .local_groups import local_group
 
 
@@ -100,7 +101,7 @@ def _make(ranks: list[int], group, local: bool):
     """A communicator over `ranks`: made by every rank of the job, or (`local`) by those ranks alone, then
     kept for reuse instead of destroyed ([Note: local communicators] in local_groups.py)."""
     backend = str(dist.get_backend(group))
-    return local_group(ranks, backend) if local else dist.new_group(ranks, backend=backend)
+    return local_group(ranks, backend) if local else new_group(ranks, backend)
 
 
 def strided_groups(size: int, group=None):
@@ -130,7 +131,7 @@ def subgroup_of(rank_lists: list[list[int]], group=None):
     me = dist.get_rank(group)
     mine = None
     for members in rank_lists:
-        made = dist.new_group([ranks[r] for r in members], backend=str(dist.get_backend(group)))
+        made = new_group([ranks[r] for r in members], str(dist.get_backend(group)))
         if me in members:
             mine = made
     return mine

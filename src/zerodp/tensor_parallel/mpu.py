@@ -10,7 +10,7 @@ its data-parallel group is {r % tp, r % tp + tp, ...}.
 `get_data_parallel_rank/world_size/group`, and the `get_tensor_model_parallel_*` spellings), so it can be
 passed as `mpu=` wherever Megatron's module is (`zerodp.initialize`, `zerodp.deepspeed.initialize`,
 `deepspeed.checkpointing.configure`). It holds its groups; nothing here is a module-level global.
-Depends on torch only (zerodp.models imports it).
+Depends on torch and comm/communicator.py only (zerodp.models imports it).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+from ..comm.communicator import new_group
 
 REQUIRED_MPU_METHODS = ("get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",
                         "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size")
@@ -60,12 +62,12 @@ class ModelParallelUnit:
         # note: new_group is collective over the whole world: every rank creates every group, in one order
         for first in range(0, world, tp):
             ranks = list(range(first, first + tp))
-            group = dist.new_group(ranks, backend=backend)
+            group = new_group(ranks, backend)
             if rank in ranks:
                 self._tp_group = group
         for tp_rank in range(tp):
             ranks = list(range(tp_rank, world, tp))
-            group = dist.new_group(ranks, backend=backend)
+            group = new_group(ranks, backend)
             if rank in ranks:
                 self._dp_group = group
         self._tp_rank, self._dp_rank = rank % tp, rank // tp
