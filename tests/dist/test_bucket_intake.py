@@ -227,3 +227,19 @@ def test_a_backward_that_raised_is_taken_in_like_the_hooks_per_parameter(dist_ru
             assert torch.equal(t, h)
             # two ranks' means averaged where the reference takes the global batch's mean: fp32 summation order
             torch.testing.assert_close(t, ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_grad_set_by_hand_is_refused_naming_both_causes(stage):
+    """One rank, in this process: pre-allocated .grads look like a stray backward's; the error says so."""
+    model = _Layers()
+    engine = zerodp.initialize(model, _sgd(model), {"zero_optimization": {"stage": stage}})
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x, y = _batch(0, 2)
+    with pytest.raises(RuntimeError, match=r"on 8 parameter\(s\); nothing of it was added\)\. A \.grad set by hand"):
+        engine.backward(F.mse_loss(engine(x, "abc"), y))
+    assert all(p.grad is None for p in model.parameters())
+    engine.backward(F.mse_loss(engine(x, "abc"), y))  # and training goes on
+    engine.step()
+    engine.close()

@@ -89,8 +89,11 @@ class GradReducer:
             # (arrivals in the aliases, late .grads) is taken in now, as the hooks per parameter did while it ran,
             # before the fresh .grads are mistaken for a stray backward's
             self._settle_intakes()
-        if self._discard_strays():  # a stray backward that reached no trigger ([Note: arrivals read from ...])
-            raise RuntimeError(STRAY + " (found at the next engine.backward; nothing of it was added)")
+        strays = self._discard_strays()  # a stray backward that reached no trigger ([Note: arrivals read from ...])
+        if strays:  # a .grad set by hand looks the same (stages 2-3 add one in; here it cannot be told apart)
+            raise RuntimeError(STRAY + f" (found at the next engine.backward on {strays} parameter(s); nothing of it was "
+                               f"added). A .grad set by hand before engine.backward (say pre-allocated zeros) is refused "
+                               f"the same way at stages 0-1: leave .grad None, the engine keeps the gradients")
         self.reducing_this_micro_step = reduce
         self.in_backward = True
         self.queue.start([b.grads for b in self.buckets])
