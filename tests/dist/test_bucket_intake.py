@@ -5,7 +5,9 @@ is unusual (a never-called layer, a frozen one, a module called twice, re-entran
 gradients come late, a tied weight, layers whose order flips every step), with several buckets per model so that
 a trigger can fire while an earlier bucket still waits; a static graph settles on one hook per bucket and is
 bitwise the hooks per parameter; a graph whose order changes goes back to hooks per parameter; a stray
-loss.backward() that no hook saw is refused at the next engine.backward and never reaches a step."""
+loss.backward() that no hook saw is refused at the next engine.backward and never reaches a step (and a .grad set
+by hand, which looks the same, with an error that says so); a backward that raised midway is taken in at the next
+one, as the hooks per parameter take it in."""
 
 from __future__ import annotations
 
@@ -178,13 +180,14 @@ def _batch(step: int, rows: int):
     return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
 
 
-def _train_through_a_raise(model, backward, step_fn, rows: int, lo: int) -> None:
+def _train_through_a_raise(model, backward, step_fn, rows: int, lo: int, before_raise=lambda: None) -> None:
     """PATHS, with step 2's backward raising midway; the caller catches it, skips the batch and trains on (its
     partial gradients stay, as plain PyTorch keeps them in .grad without a zero_grad)."""
     for step, path in enumerate(PATHS):
         x, y = _batch(step, rows)
         loss = F.mse_loss(model(x[lo:lo + rows // 2] if lo >= 0 else x, path), y[lo:lo + rows // 2] if lo >= 0 else y)
         if step == 2:
+            before_raise()
             handle = model.b.weight.register_hook(_raise)
             with pytest.raises(_Raised):
                 backward(loss)
@@ -194,19 +197,21 @@ def _train_through_a_raise(model, backward, step_fn, rows: int, lo: int) -> None
         step_fn()
 
 
-def raised_backward_run(stage: int, per_parameter: bool) -> list:
+def raised_backward_run(stage: int, per_parameter: bool) -> tuple:
     rank = dist.get_rank()
     model = _Layers()
     engine = zerodp.initialize(model, _sgd(model), {"zero_optimization": {"stage": stage}})
     saved = bucket_intake.BucketIntake.settle
     if per_parameter:
         bucket_intake.BucketIntake.settle = lambda self: False  # every bucket keeps its hooks per parameter
+    modes = []
     try:
-        _train_through_a_raise(engine.module, engine.backward, engine.step, 4, 2 * rank)
+        _train_through_a_raise(engine.module, engine.backward, engine.step, 4, 2 * rank,
+                               lambda: modes.extend(i.mode.name for i in engine.sharding.intakes))
     finally:
         bucket_intake.BucketIntake.settle = saved
     engine.close()
-    return [p.detach().clone() for p in model.parameters()]
+    return modes, [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -221,8 +226,9 @@ def test_a_backward_that_raised_is_taken_in_like_the_hooks_per_parameter(dist_ru
         optimizer.step()
         optimizer.zero_grad()
     _train_through_a_raise(model, lambda loss: loss.backward(), step, 4, -1)
-    for triggered, hooked in zip(dist_run(2, raised_backward_run, stage, False),
-                                 dist_run(2, raised_backward_run, stage, True)):
+    for (modes, triggered), (_, hooked) in zip(dist_run(2, raised_backward_run, stage, False),
+                                               dist_run(2, raised_backward_run, stage, True)):
+        assert modes == ["TRIGGER"], modes  # the failing backward runs on the trigger's hook alone
         for t, h, ref in zip(triggered, hooked, model.parameters()):
             assert torch.equal(t, h)
             # two ranks' means averaged where the reference takes the global batch's mean: fp32 summation order
