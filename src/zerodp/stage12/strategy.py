@@ -91,9 +91,9 @@ class GradReducer:
             self._settle_intakes()
         strays = self._discard_strays()  # a stray backward that reached no trigger ([Note: arrivals read from ...])
         if strays:  # a .grad set by hand looks the same (stages 2-3 add one in; here it cannot be told apart)
-            raise RuntimeError(STRAY + f" (found at the next engine.backward on {strays} parameter(s); nothing of it was "
-                               f"added). A .grad set by hand before engine.backward (say pre-allocated zeros) is refused "
-                               f"the same way at stages 0-1: leave .grad None, the engine keeps the gradients")
+            raise RuntimeError(STRAY + f" (found at the next engine.backward on {strays} parameter(s); nothing of it "
+                               f"was added). A .grad set by hand before engine.backward (say pre-allocated zeros) is "
+                               f"refused the same way at stages 0-1: leave .grad None, the engine keeps the gradients")
         self.reducing_this_micro_step = reduce
         self.in_backward = True
         self.queue.start([b.grads for b in self.buckets])
