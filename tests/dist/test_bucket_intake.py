@@ -5,7 +5,9 @@ is unusual (a never-called layer, a frozen one, a module called twice, re-entran
 gradients come late, a tied weight, layers whose order flips every step), with several buckets per model so that
 a trigger can fire while an earlier bucket still waits; a static graph settles on one hook per bucket and is
 bitwise the hooks per parameter; a graph whose order changes goes back to hooks per parameter; a stray
-loss.backward() that no hook saw is refused at the next engine.backward and never reaches a step."""
+loss.backward() that no hook saw is refused at the next engine.backward and never reaches a step (and a .grad set
+by hand, which looks the same, with an error that says so); a backward that raised midway is taken in at the next
+one, as the hooks per parameter take it in."""
 
 from __future__ import annotations
 
@@ -141,3 +143,109 @@ def test_a_stray_gradient_no_hook_saw_is_refused_at_the_next_backward(dist_run):
         assert "found at the next engine.backward" in s["error"]
         for a, b in zip(c["params"], s["params"]):
             assert torch.equal(a, b), "the stray gradient must not reach the step"
+
+
+class _Raised(Exception):
+    """Raised by a tensor hook in the middle of a backward (as a user's hook, or an out-of-memory error, can)."""
+
+
+def _raise(grad):
+    raise _Raised()
+
+
+# the layers each step runs: step 2's backward raises after `c`'s and the head's gradients arrived (before `b`'s);
+# `c` is unused in the two steps after it, so only the failed backward's gradient says whether it is stepped
+PATHS = ["abc", "abc", "abc", "ab", "ab", "abc"]
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (torch.nn.Linear(6, 6) for _ in range(3))
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x, path: str):
+        for name in path:
+            x = torch.tanh(getattr(self, name)(x))
+        return self.out(x)
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+
+
+def _batch(step: int, rows: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def _train_through_a_raise(model, backward, step_fn, rows: int, lo: int, before_raise=lambda: None) -> None:
+    """PATHS, with step 2's backward raising midway; the caller catches it, skips the batch and trains on (its
+    partial gradients stay, as plain PyTorch keeps them in .grad without a zero_grad)."""
+    for step, path in enumerate(PATHS):
+        x, y = _batch(step, rows)
+        loss = F.mse_loss(model(x[lo:lo + rows // 2] if lo >= 0 else x, path), y[lo:lo + rows // 2] if lo >= 0 else y)
+        if step == 2:
+            before_raise()
+            handle = model.b.weight.register_hook(_raise)
+            with pytest.raises(_Raised):
+                backward(loss)
+            handle.remove()
+            continue
+        backward(loss)
+        step_fn()
+
+
+def raised_backward_run(stage: int, per_parameter: bool) -> tuple:
+    rank = dist.get_rank()
+    model = _Layers()
+    engine = zerodp.initialize(model, _sgd(model), {"zero_optimization": {"stage": stage}})
+    saved = bucket_intake.BucketIntake.settle
+    if per_parameter:
+        bucket_intake.BucketIntake.settle = lambda self: False  # every bucket keeps its hooks per parameter
+    modes = []
+    try:
+        _train_through_a_raise(engine.module, engine.backward, engine.step, 4, 2 * rank,
+                               lambda: modes.extend(i.mode.name for i in engine.sharding.intakes))
+    finally:
+        bucket_intake.BucketIntake.settle = saved
+    engine.close()
+    return modes, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_backward_that_raised_is_taken_in_like_the_hooks_per_parameter(dist_run, stage):
+    """A backward that raises midway (a user's hook) leaves gradients in the buffer that no trigger saw (the bucket's
+    trigger, learned in step 0, never fires in it): the next engine.backward takes them in (each such parameter is
+    stepped), as the hooks per parameter and plain PyTorch do."""
+    model = _Layers()
+    optimizer = _sgd(model)
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad()
+    _train_through_a_raise(model, lambda loss: loss.backward(), step, 4, -1)
+    for (modes, triggered), (_, hooked) in zip(dist_run(2, raised_backward_run, stage, False),
+                                               dist_run(2, raised_backward_run, stage, True)):
+        assert modes == ["TRIGGER"], modes  # the failing backward runs on the trigger's hook alone
+        for t, h, ref in zip(triggered, hooked, model.parameters()):
+            assert torch.equal(t, h)
+            # two ranks' means averaged where the reference takes the global batch's mean: fp32 summation order
+            torch.testing.assert_close(t, ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_grad_set_by_hand_is_refused_naming_both_causes(stage):
+    """One rank, in this process: pre-allocated .grads look like a stray backward's; the error says so."""
+    model = _Layers()
+    engine = zerodp.initialize(model, _sgd(model), {"zero_optimization": {"stage": stage}})
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x, y = _batch(0, 2)
+    with pytest.raises(RuntimeError, match=r"on 8 parameter\(s\); nothing of it was added\)\. A \.grad set by hand"):
+        engine.backward(F.mse_loss(engine(x, "abc"), y))
+    assert all(p.grad is None for p in model.parameters())
+    engine.backward(F.mse_loss(engine(x, "abc"), y))  # and training goes on
+    engine.step()
+    engine.close()

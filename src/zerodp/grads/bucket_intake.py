@@ -27,6 +27,11 @@ Modes (`Mode`), per bucket:
   parameter's in that step; a static one is bitwise in every step.
 - PER_PARAMETER: a hook per parameter (grads/param_hook.py).
 
+What a version cannot tell: an in-place write into an alias that is not autograd's. User code that, during
+the backward, writes into another parameter's .grad (a hook that scales every .grad) marks that parameter as having a
+gradient, so one that got none in the step is stepped (with the zeros its buffer holds: weight decay and momentum
+move it) where plain PyTorch, and the hook per parameter, leave it alone. Values added are always right.
+
 Where the buffer's dtype differs from the parameters' (bf16 parameters, `grad_accum_dtype` fp32) no
 alias can be a .grad: autograd would sum a second gradient with the first in bf16 before any hook
 saw it, so those buckets keep a hook per parameter. A gradient accumulated outside engine.backward

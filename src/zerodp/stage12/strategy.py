@@ -84,14 +84,28 @@ class GradReducer:
 
     def start_micro_step(self, reduce: bool) -> None:
         """Before one backward; `reduce` says whether gradients are reduced after it."""
-        if self._discard_strays():  # a stray backward that reached no trigger ([Note: arrivals read from ...])
-            raise RuntimeError(STRAY + " (found at the next engine.backward; nothing of it was added)")
+        if self.in_backward:
+            # The last engine.backward raised before its end (finish_micro_step never ran): what its gradients left
+            # (arrivals in the aliases, late .grads) is taken in now, as the hooks per parameter did while it ran,
+            # before the fresh .grads are mistaken for a stray backward's
+            self._settle_intakes()
+        strays = self._discard_strays()  # a stray backward that reached no trigger ([Note: arrivals read from ...])
+        if strays:  # a .grad set by hand looks the same (stages 2-3 add one in; here it cannot be told apart)
+            raise RuntimeError(STRAY + f" (found at the next engine.backward on {strays} parameter(s); nothing of it "
+                               f"was added). A .grad set by hand before engine.backward (say pre-allocated zeros) is "
+                               f"refused the same way at stages 0-1: leave .grad None, the engine keeps the gradients")
         self.reducing_this_micro_step = reduce
         self.in_backward = True
         self.queue.start([b.grads for b in self.buckets])
         for intake in self.intakes:
             if intake is not None:
                 intake.begin()
+
+    def _settle_intakes(self) -> None:
+        """The end of a backward for the stage 0-1 buckets' intakes: take in what their triggers did not see."""
+        for k, intake in enumerate(self.intakes):
+            if intake is not None and intake.settle():
+                self._install_hooks(k)  # the trigger moved
 
     def finish_micro_step(self, boundary: bool) -> Optional[torch.Tensor]:
         """After backward: finish every reduction (if this micro-step reduces).
@@ -100,9 +114,7 @@ class GradReducer:
         whether the parameter got a gradient on any rank during the step; None otherwise.
         """
         self.in_backward = False
-        for k, intake in enumerate(self.intakes):
-            if intake is not None and intake.settle():
-                self._install_hooks(k)  # the trigger moved
+        self._settle_intakes()
         for bucket in self.buckets:  # [Note: gradients as buffer views] in grads/grad_shard.py
             bucket.grads.detach_grad_views()
         if not self.reducing_this_micro_step:
