@@ -107,6 +107,7 @@ class ZeroEngine:
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
             placement=self.placement, model_parallel=model_parallel_norm(mpu, model))
+        self.optimizer.late_starters.param_names = self.param_names  # to name them (optim/late_starters.py)
         # DeepSpeed's `scheduler` section or the caller's own schedule, stepped after every optimizer step taken
         self._lr_scheduler = None if config.scheduler is None else \
             build_lr_scheduler(config.scheduler.type, config.scheduler.params, self.optimizer.optimizer)

@@ -57,6 +57,7 @@ from ..placement import Placement, placement_for_precision
 from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
 from .inner import rebuild_kept
+from .late_starters import LateStarters
 from .model_parallel import ModelParallelNorm
 from .checkpoint_state import CheckpointStateAccess
 from .shared_groups import share_param_groups
@@ -107,6 +108,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
                     self.masters.append(unit.param_shard.detach().to(masters_home.device, masters_home.dtype).clone())
                 self.chunks.append(self._split(unit, self.masters[-1]))  # views: made while resident
         self.whole = [unit.layout.whole_tensors for unit in units]  # see [Note: whole-tensor units]
+        self.late_starters = LateStarters(units, self.whole)  # [Note: one step count per chunk]
         # fused on CUDA masters, unchanged elsewhere (optim/step_kernel.py); a host step keeps torch's CPU kernels
         settings = master_group_settings(user_optimizer, group_settings, masters_home.device)
         groups = [dict(group, params=[]) for group in settings]
@@ -270,6 +272,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             self.plan.run(lambda window: self._step_chunks(received, window), received)
         self.plan.drop_grads()
         self.plan.write_back()  # the parameter shards follow their masters (unless they are them)
+        self.late_starters.after_step(received, self.optimizer)
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
         return StepOutcome.STEPPED
