@@ -28,26 +28,26 @@ class LateStarters:
 
     def __init__(self, units: list, whole: list[bool]) -> None:
         self.units = units
-        self.watched = [not w for w in whole]
-        self.missed: Optional[torch.Tensor] = None  # per parameter (units concatenated): missed a step taken
+        self.watched = [w for u, whole_tensors in zip(units, whole) for w in [not whole_tensors] * len(u.params)]
+        self.missed: Optional[list[bool]] = None  # per parameter (units concatenated): missed a step taken
         self.warned = False
         self.param_names: dict[int, list[str]] = {}  # set by the engine: id(parameter) -> its names
 
     def after_step(self, received: Optional[torch.Tensor], inner: torch.optim.Optimizer) -> None:
-        """After a step taken with `received` (None: every parameter got a gradient)."""
+        """After a step taken with `received` (host flags; None: every parameter got a gradient). Python lists, not
+        tensor operations: nothing here reads a device value (tests/unit/test_step_syncs.py)."""
         if self.warned or received is None or not any("step" in s for s in inner.state.values()):
             return
-        watch = torch.cat([torch.full((len(u.params),), w) for u, w in zip(self.units, self.watched)])
-        missed_now = ~received & watch
+        flags = received.tolist()
         if self.missed is None:
-            self.missed = missed_now
+            self.missed = [w and not r for r, w in zip(flags, self.watched)]
             return
-        late = received & self.missed
-        self.missed |= missed_now
-        if bool(late.any()):
+        late = [i for i, (r, m) in enumerate(zip(flags, self.missed)) if r and m]
+        self.missed = [m or (w and not r) for r, m, w in zip(flags, self.missed, self.watched)]
+        if late:
             self.warned = True
             params = [p for u in self.units for p in u.params]
-            names = [self.param_names.get(id(params[i]), [f"#{i}"])[0] for i in late.nonzero().flatten().tolist()]
+            names = [self.param_names.get(id(params[i]), [f"#{i}"])[0] for i in late]
             shown = ", ".join(names[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
             warnings.warn(f"zerodp: {shown} got a gradient after missing an earlier step; {type(inner).__name__} keeps one "
                           f"step count per flat chunk of parameters, so their bias correction uses the chunk's count, "
