@@ -104,3 +104,32 @@ def test_the_control_flags_stay_on_the_host_where_the_group_reduces_cpu_tensors(
 
     monkeypatch.setattr(comm, "backend_name", lambda group=None: backend)
     assert control_device(None, torch.device("cuda", 0)).type == expected
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_step_with_a_late_parameter_reads_one_device_value(stage, precision):
+    """A step in which a parameter that missed the first one is stepped with its own count (optim/step_counts.py):
+    which parameters are late is known from host lists, and its temporary optimizer's `step` is made from a Python
+    int, as torch keeps it (a CPU tensor): still the one read of the norm's finiteness."""
+    from tests.unit.test_step_counts import Branch
+
+    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    model = Branch()
+    with zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg) as engine:
+        dtype = next(model.parameters()).dtype
+        x, y = torch.randn(3, 5).to(dtype), torch.randn(3, 7)
+        engine.backward(F.mse_loss(engine(x, False).float(), y))
+        engine.step()  # b gets no gradient: it is late at the next step
+        late = engine.optimizer.step_counts.late(None)
+        assert late, "b should be stepped with its own count at the next step"
+        loss = F.mse_loss(engine(x, True).float(), y)
+        steps = [state["step"] for state in engine.optimizer.optimizer.state.values()
+                 if torch.is_tensor(state.get("step"))]
+        with HostReads(steps) as mode:
+            engine.backward(loss)
+            engine.step()
+        assert len(mode.reads) == 1, mode.reads
+        assert mode.reads[0][0] == "__bool__" and "optimizer.py" in mode.reads[0][1], mode.reads

@@ -142,6 +142,7 @@ def _build_meta(engine: CheckpointEngine, tag: str, written: list[dict]) -> dict
         list(fmt.overlapping(segs, 0, numel))  # every element saved exactly once, or an error now
     groups = {str(user): cs.encode_hyper(g) for user, g in cs.inner_groups(engine)}
     cls, larc = cs.optimizer_class(engine)
+    names = cs.canonical_names(engine)
     from .. import __version__
 
     return {
@@ -157,6 +158,8 @@ def _build_meta(engine: CheckpointEngine, tag: str, written: list[dict]) -> dict
         "tensors": tensors,
         "segments": segments,
         "units": [w["units"] for w in written],
+        # each parameter's own Adam step count, by name (optim/step_counts.py): per parameter, not per shard
+        "param_steps": {names[pid]: count for pid, count in engine.optimizer.param_steps().items()},
         "files": {name: digest for w in written for name, digest in w["files"].items()},
     }
 
@@ -298,6 +301,12 @@ def _apply_load(engine: CheckpointEngine, plan: _LoadPlan) -> None:
     live = engine.module.state_dict(keep_vars=True)
     for key, value in plan.module_states.items():
         live[key].data.copy_(value)
+    # after the units' states (their chunk counts): a checkpoint from before per-parameter counts has none, and
+    # then every parameter takes its chunk's count, which is what it stepped with then
+    saved = meta.get("param_steps")
+    names = cs.canonical_names(engine)
+    engine.optimizer.load_param_steps(None if saved is None else
+                                      {pid: saved[name] for pid, name in names.items() if name in saved})
 
 
 # -- small collectives -------------------------------------------------------------------------------

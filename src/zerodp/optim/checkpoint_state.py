@@ -5,7 +5,7 @@ chunk of the unit's fp32 master (elementwise optimizers) or per owned parameter 
 possibly streamed from an offload tier. These methods translate between that and the checkpoint's
 form: one tensor shaped like the master per state key, plus scalars. Mixed into ShardedOptimizer, whose
 members they use (`chunks`, `whole`, `masters`, `units`, `optimizer`, `offload`, `_resident`,
-`_chunk_ranges`); kept apart so that the step's module reads in one sitting.
+`_chunk_ranges`, `step_counts`); kept apart so that the step's module reads in one sitting.
 """
 
 from __future__ import annotations
@@ -79,12 +79,22 @@ class CheckpointStateAccess:
 
     def _load_state_of(self, index: int, state: dict) -> None:
         master = self.masters[index]
+        self.step_counts.loaded_chunk_state(index, state)  # the unit's chunk count (optim/step_counts.py)
         for chunk, chunk_sl, master_sl in self._chunk_ranges(index, 0, master.numel()):
             self.optimizer.state.pop(chunk, None)
             if state:
                 self.optimizer.state[chunk] = {
                     k: (v[master_sl].clone() if torch.is_tensor(v) and v.shape == master.shape
                         else v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+
+    def param_steps(self) -> dict[int, int]:
+        """id(parameter) -> its own step count, for the parameters that keep one (optim/step_counts.py)."""
+        return self.step_counts.by_param()
+
+    def load_param_steps(self, saved) -> None:
+        """Set the counts of `param_steps` form after the units' states are loaded (None: an older checkpoint
+        without them; each parameter takes its chunk's count)."""
+        self.step_counts.load(saved)
 
     def scalar_state_device(self, index: int) -> torch.device:
         """Where torch keeps master `index`'s scalar state tensors such as `step`: on the parameter's

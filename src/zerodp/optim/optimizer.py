@@ -58,6 +58,7 @@ from ..precision import LossScaler, PrecisionPolicy
 from ..seams import ShardedUnit
 from .inner import rebuild_kept
 from .late_starters import LateStarters
+from .step_counts import StepCounts
 from .model_parallel import ModelParallelNorm
 from .checkpoint_state import CheckpointStateAccess
 from .shared_groups import share_param_groups
@@ -108,7 +109,6 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
                     self.masters.append(unit.param_shard.detach().to(masters_home.device, masters_home.dtype).clone())
                 self.chunks.append(self._split(unit, self.masters[-1]))  # views: made while resident
         self.whole = [unit.layout.whole_tensors for unit in units]  # see [Note: whole-tensor units]
-        self.late_starters = LateStarters(units, self.whole)  # [Note: one step count per chunk]
         # fused on CUDA masters, unchanged elsewhere (optim/step_kernel.py); a host step keeps torch's CPU kernels
         settings = master_group_settings(user_optimizer, group_settings, masters_home.device)
         groups = [dict(group, params=[]) for group in settings]
@@ -121,6 +121,10 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         self.optimizer = rebuild_kept(user_optimizer, groups, self.group_indices)
         # the user's group dicts are the inner groups (shared_groups.py): their changes reach the step
         self.shared_groups = share_param_groups(user_optimizer, self.optimizer, self.group_indices)
+        # each parameter's own Adam step count ([Note: one step count per parameter] in step_counts.py); the
+        # optimizers it does not cover are warned about ([Note: one step count per chunk] in late_starters.py)
+        self.step_counts = StepCounts(units, self.whole, self.optimizer, self.group_indices)
+        self.late_starters = LateStarters(units, [w or c for w, c in zip(self.whole, self.step_counts.counted)])
         if getattr(self.optimizer, "shard_norms", None) is not None:
             self._bind_shard_layout()
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
@@ -266,19 +270,22 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             self.plan.drop_grads()
             self.last_step_skipped = True
             return StepOutcome.NONFINITE
+        late = self.step_counts.late(received)  # host lists: parameters stepped with their own count
         if transient:  # fp32 copies of the 16-bit gradients made, clipped and stepped one window at a time
-            self.step_transient(coef, received)
+            self.step_transient(coef, received, late)
         else:
-            self.plan.run(lambda window: self._step_chunks(received, window), received)
+            self.plan.run(lambda window: self._step_chunks(received, window, late), received)
         self.plan.drop_grads()
         self.plan.write_back()  # the parameter shards follow their masters (unless they are them)
+        self.step_counts.after_step(received)
         self.late_starters.after_step(received, self.optimizer)
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
         return StepOutcome.STEPPED
 
-    def _step_chunks(self, received: Optional[torch.Tensor], window: Optional[list]) -> None:
-        """Step the inner optimizer over `window`'s chunks (None: all chunks)."""
+    def _step_chunks(self, received: Optional[torch.Tensor], window: Optional[list], late: frozenset = frozenset()) -> None:
+        """Step the inner optimizer over `window`'s chunks (None: all chunks); the `late` parameters (indices, units
+        concatenated) are then stepped with their own counts (step_counts.py)."""
         only = None if window is None else {id(c) for c in window}
         hidden = []
         if only is not None:  # torch skips parameters without .grad: hide the chunks outside the window
@@ -286,28 +293,32 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             grads = [c.grad for c in hidden]
             for c in hidden:
                 c.grad = None
-        restore = self._snapshot_untouched(received, only)
+        restore = self._snapshot_untouched(received, only, late)
         self.optimizer.step()
         self._restore_untouched(restore)
+        if late:
+            self.step_counts.step_late(self, late, only)
         for c, g in zip(hidden, grads if hidden else []):
             c.grad = g
 
     # -- parameters without a gradient ---------------------------------------------------------
 
-    def _snapshot_untouched(self, received: Optional[torch.Tensor], only: Optional[set] = None):
-        """Save master and state slices of parameters that got no gradient (torch would skip them);
-        `only`: ids of the chunks being stepped (None: all)."""
-        if received is None or bool(received.all()):
+    def _snapshot_untouched(self, received: Optional[torch.Tensor], only: Optional[set] = None,
+                            late: frozenset = frozenset()):
+        """Save master and state slices of parameters that got no gradient (torch would skip them) and of the
+        `late` ones (stepped afterwards with their own counts); `only`: ids of the chunks being stepped (None: all)."""
+        if (received is None or bool(received.all())) and not late:
             return []
         saved, offset = [], 0
         for index, unit in enumerate(self.units):
             n = len(unit.layout.shapes)
-            flags = received[offset:offset + n]
+            flags = received[offset:offset + n] if received is not None else torch.ones(n, dtype=torch.bool)
+            mine = [i - offset for i in late if offset <= i < offset + n]
             offset += n
-            if bool(flags.all()) or self.whole[index]:
+            if (bool(flags.all()) and not mine) or self.whole[index]:
                 continue  # whole tensors: the parameter's .grad is None, torch skips it
             for seg in unit.layout.segments(unit.shard_index):
-                if flags[seg.param_index]:
+                if flags[seg.param_index] and seg.param_index not in mine:
                     continue
                 for chunk, csl, _ in self._chunk_ranges(index, seg.shard_start, seg.shard_start + seg.numel):
                     if only is not None and id(chunk) not in only:

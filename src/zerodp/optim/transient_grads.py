@@ -15,7 +15,7 @@ Taken only where that holds without further thought (`transient_grads_apply`): t
 classes of optim/inner.py, whose state is per parameter (no LARC, no shard-aware norms, one optimizer), no loss scaling (bf16), nothing
 offloaded and no step on the host (their plan steps in windows of its own: step_plan.py), no whole-tensor
 units. Mixed into `ShardedOptimizer`, whose members it uses (`units`, `masters`, `chunks`, `optimizer`,
-`group_indices`, `precision`, `scaler`, `offload`, `plan`, `_snapshot_untouched`, `_restore_untouched`).
+`group_indices`, `precision`, `scaler`, `offload`, `plan`, `step_counts`, `_snapshot_untouched`, `_restore_untouched`).
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ class TransientGradSteps:
                 numel, group = master.numel(), unit.group_index
         return windows
 
-    def step_transient(self, clip: Optional[torch.Tensor], received: Optional[torch.Tensor]) -> None:
-        """Cast, clip by `clip` (the coefficient, a tensor; None: no clipping), bind and step each window's gradients, then drop them (the norm is already taken)."""
+    def step_transient(self, clip: Optional[torch.Tensor], received: Optional[torch.Tensor],
+                       late: frozenset = frozenset()) -> None:
+        """Cast, clip by `clip` (the coefficient, a tensor; None: no clipping), bind and step each window's gradients, then drop them (the norm is already taken).
+        The `late` parameters are then stepped with their own counts (step_counts.py), while their window's copies live."""
         groups = self.optimizer.param_groups
         all_params = [g["params"] for g in groups]
         try:
@@ -78,9 +80,12 @@ class TransientGradSteps:
                     if clip is not None:  # always multiplied: x * 1.0 is x, and the host never reads the coefficient
                         g.mul_(clip)
                     self.plan.bind(index, g, received)
-                restore = self._snapshot_untouched(received, {id(c) for c in chunks})
+                only = {id(c) for c in chunks}
+                restore = self._snapshot_untouched(received, only, late)
                 self.optimizer.step()
                 self._restore_untouched(restore)
+                if late:
+                    self.step_counts.step_late(self, late, only)
                 for c in chunks:
                     c.grad = None  # the window's fp32 copies go here
         finally:
