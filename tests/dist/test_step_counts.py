@@ -24,7 +24,7 @@ from tests.dist.common import (HID, IN, OUT, assert_matches_reference, assert_tr
 
 # Which branches each step takes: b first at step 1, c first at step 2; b skips step 3, c skips step 4.
 PATHS = ["", "b", "bc", "c", "b", "bc", "bc"]
-STEPS, ROWS, CLIP, LR, WD = len(PATHS), 6, 1.0, 2e-2, 0.1  # ROWS: the global batch, split at world 2 or 3
+STEPS, ROWS, CLIP, LR, WD = len(PATHS), 6, 1.0, 2e-2, 0.1  # ROWS: the global batch, split at worlds 2 and 3
 CHUNK = 53  # optimizer chunks cut across parameters and shards (tests/dist/common.py optimizer_chunks)
 SAVE_AT = 4  # a checkpoint after steps 0-3: b has missed step 3, so its count lags its chunk's
 
@@ -33,7 +33,8 @@ class Branches(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b, self.c, self.out = nn.Linear(IN, HID), nn.Linear(HID, HID), nn.Linear(HID, HID), nn.Linear(HID, OUT)
+        self.a, self.b, self.c = nn.Linear(IN, HID), nn.Linear(HID, HID), nn.Linear(HID, HID)
+        self.out = nn.Linear(HID, OUT)
         self.path = ""  # the mixed-precision reference calls model(x): the path is set beside it
 
     def forward(self, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
@@ -54,7 +55,8 @@ def config(stage: int, bf16: bool = False, offload: bool = False) -> dict:
         del zero["reduce_bucket_size"], zero["allgather_bucket_size"]
     if offload:  # small windows: the host step streams the state through several
         zero.update(offload_optimizer={"device": "cpu"}, sub_group_size=40)
-    cfg = {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(), "gradient_clipping": CLIP, "zero_optimization": zero}
+    cfg = {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(), "gradient_clipping": CLIP,
+           "zero_optimization": zero}
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -103,6 +105,8 @@ def run(stage: int, bf16: bool = False, offload: bool = False) -> tuple[list[flo
     with optimizer_chunks(CHUNK):
         model = Branches()
         engine = zerodp.initialize(model, adamw(model), config(stage, bf16, offload))
+        assert not offload or len(engine.optimizer.offload.windows) > 1, "the step should stream several windows"
+        assert not bf16 or engine.optimizer.transient_grads_apply(), "bf16 should step the windowed fp32 copies"
         losses = train(engine, 0, STEPS)
         params = params_of(engine)
         engine.close()

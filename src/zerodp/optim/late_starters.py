@@ -54,5 +54,5 @@ class LateStarters:
             warnings.warn(f"zerodp: {shown} got a gradient after missing an earlier step; {type(inner).__name__} keeps one "
                           f"step count per flat chunk of parameters, so their bias correction uses the chunk's count, "
                           f"not their own, and their updates differ from torch.optim's (as DeepSpeed's and FSDP1's flat "
-                          f"parameters do). zerodp keeps per-parameter counts for Adam, AdamW and FusedAdam only ([Note: "
-                          f"one step count per chunk] in zerodp/optim/late_starters.py); this is said once", stacklevel=3)
+                          f"parameters do). zerodp keeps per-parameter counts for Adam, AdamW and FusedAdam only "
+                          f"([Note: one step count per chunk] in zerodp/optim/late_starters.py); this is said once", stacklevel=3)

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from enum import Enum, auto
-from typing import Optional
+from typing import AbstractSet, Optional
 
 import torch
 
@@ -283,7 +283,8 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         self.last_step_skipped = False
         return StepOutcome.STEPPED
 
-    def _step_chunks(self, received: Optional[torch.Tensor], window: Optional[list], late: frozenset = frozenset()) -> None:
+    def _step_chunks(self, received: Optional[torch.Tensor], window: Optional[list],
+                     late: AbstractSet[int] = frozenset()) -> None:
         """Step the inner optimizer over `window`'s chunks (None: all chunks); the `late` parameters (indices, units
         concatenated) are then stepped with their own counts (step_counts.py)."""
         only = None if window is None else {id(c) for c in window}
@@ -304,7 +305,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
     # -- parameters without a gradient ---------------------------------------------------------
 
     def _snapshot_untouched(self, received: Optional[torch.Tensor], only: Optional[set] = None,
-                            late: frozenset = frozenset()):
+                            late: AbstractSet[int] = frozenset()):
         """Save master and state slices of parameters that got no gradient (torch would skip them) and of the
         `late` ones (stepped afterwards with their own counts); `only`: ids of the chunks being stepped (None: all)."""
         if (received is None or bool(received.all())) and not late:

@@ -13,8 +13,8 @@ the same on every rank, since `received` is agreed globally), and each unit's ch
 parameter that got a gradient and whose count differs from its chunk's (a "late" parameter) is snapshotted with
 the untouched ones, restored after the chunk step, and then stepped on its own: a temporary optimizer of the same
 class and group options over a copy of its master slice, its gradient slice as .grad, and its state slices with
-`step` set to its own count (the same kind of value torch keeps: a tensor of the chunk's `step` dtype and
-device, or an int); values and state slices are copied back. The result is torch's update for that parameter.
+`step` set to its own count (the same kind of value torch keeps: a tensor like the chunk's `step`, or an
+int); values and state slices are copied back. The result is torch's update for that parameter.
 Nothing here reads a device value: which parameters are late is decided from host lists (tests/unit/
 test_step_syncs.py), and the extra work happens only when one is.
 
@@ -119,8 +119,8 @@ class StepCounts:
                 continue  # the chunk has no state yet: the slice starts fresh, as torch's would
             own = {k: v[csl].clone() for k, v in state.items() if torch.is_tensor(v) and v.shape == chunk.shape}
             step = state.get("step")
-            own["step"] = torch.tensor(float(count), dtype=step.dtype, device=step.device) \
-                if torch.is_tensor(step) else type(step)(count)
+            # torch's kind of `step` (a CPU float tensor; on the device for fused/capturable): filled, not copied
+            own["step"] = torch.full_like(step, float(count)) if torch.is_tensor(step) else type(step)(count)
             temp.state[leaf] = own
         temp.step()
         for leaf, (chunk, csl, _) in zip(leaves, slices):

@@ -20,7 +20,7 @@ units. Mixed into `ShardedOptimizer`, whose members it uses (`units`, `masters`,
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import AbstractSet, Optional
 
 import torch
 
@@ -63,9 +63,10 @@ class TransientGradSteps:
         return windows
 
     def step_transient(self, clip: Optional[torch.Tensor], received: Optional[torch.Tensor],
-                       late: frozenset = frozenset()) -> None:
+                       late: AbstractSet[int] = frozenset()) -> None:
         """Cast, clip by `clip` (the coefficient, a tensor; None: no clipping), bind and step each window's gradients, then drop them (the norm is already taken).
-        The `late` parameters are then stepped with their own counts (step_counts.py), while their window's copies live."""
+        The `late` parameters are then stepped with their own counts (step_counts.py), while their window's copies
+        live."""
         groups = self.optimizer.param_groups
         all_params = [g["params"] for g in groups]
         try:
