@@ -12,9 +12,10 @@ So this keeps each parameter's own count on the host (Python ints, units concate
 the same on every rank, since `received` is agreed globally), and each unit's chunk count beside it. At a step, a
 parameter that got a gradient and whose count differs from its chunk's (a "late" parameter) is snapshotted with
 the untouched ones, restored after the chunk step, and then stepped on its own: a temporary optimizer of the same
-class and group options over a copy of its master slice, its gradient slice as .grad, and its state slices with
-`step` set to its own count (the same kind of value torch keeps: a tensor like the chunk's `step`, or an
-int); values and state slices are copied back. The result is torch's update for that parameter.
+class and group options over views of its master slice, of its gradient slice (as .grad) and of its state slices,
+with `step` set to its own count (the same kind of value torch keeps: a tensor like the chunk's `step`, or an
+int). torch updates them in place, so nothing is copied in or back. The result is torch's update for that
+parameter.
 Nothing here reads a device value: which parameters are late is decided from host lists (tests/unit/
 test_step_syncs.py), and the extra work happens only when one is.
 
@@ -105,30 +106,26 @@ class StepCounts:
 
     @staticmethod
     def _step_slices(member, group: dict, states, slices: list) -> None:
-        """One temporary optimizer (same class and group options) over copies of `slices`, each with its count."""
+        """One temporary optimizer (same class and group options) over `slices`, each with its count. The slices are
+        views of the chunks, of their gradients and of their states (made under no_grad: leaves that need no
+        gradient), so torch's in-place update lands in the chunks themselves: no copy in, none back."""
         leaves = []
         for chunk, csl, _ in slices:
-            leaf = chunk[csl].detach().clone()
-            leaf.grad = chunk.grad[csl].clone()
+            leaf = chunk[csl]
+            leaf.grad = chunk.grad[csl]
             leaves.append(leaf)
         options = {k: v for k, v in group.items() if k != "params"}
         temp = rebuild(member, [dict(options, params=leaves)])
         for leaf, (chunk, csl, count) in zip(leaves, slices):
             state = states.get(chunk, {})
             if not state:
-                continue  # the chunk has no state yet: the slice starts fresh, as torch's would
-            own = {k: v[csl].clone() for k, v in state.items() if torch.is_tensor(v) and v.shape == chunk.shape}
+                continue  # the chunk has no state yet: the slice starts fresh, as torch's would (its state is dropped)
+            own = {k: v[csl] for k, v in state.items() if torch.is_tensor(v) and v.shape == chunk.shape}
             step = state.get("step")
-            # torch's kind of `step` (a CPU float tensor; on the device for fused/capturable): filled, not copied
+            # torch's kind of `step` (a CPU float tensor; on the device for fused/capturable): filled, not shared
             own["step"] = torch.full_like(step, float(count)) if torch.is_tensor(step) else type(step)(count)
             temp.state[leaf] = own
         temp.step()
-        for leaf, (chunk, csl, _) in zip(leaves, slices):
-            chunk[csl].copy_(leaf)
-            state = states.get(chunk, {})
-            for k, v in temp.state[leaf].items():
-                if k in state and torch.is_tensor(v) and v.shape == leaf.shape:
-                    state[k][csl].copy_(v)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
