@@ -337,6 +337,16 @@ class GradShard:
         for observer in self._observers:
             observer.after_write(self.shard)
 
+    def after_raised_backward(self) -> None:
+        """The last backward raised after this shard's round launched: finish the reduction in flight and keep its
+        result (stages 0-1: aside, as a late gradient's round does; stages 2-3: delivered into `shard`), so that the
+        next backward opens a round of its own and the failed one's gradients count once."""
+        if self.state is GradState.REDUCING or self.state is GradState.REDUCED:
+            if self.keep_full:
+                self._open_round()  # waits, keeps the reduced slice aside, zeroes the buffer
+            else:
+                self.wait()
+
     def start_micro_step(self) -> None:
         """Before a backward: forget who reported (gradients keep accumulating)."""
         if self.state is GradState.REDUCING:

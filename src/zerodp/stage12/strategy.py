@@ -89,6 +89,8 @@ class GradReducer:
             # (arrivals in the aliases, late .grads) is taken in now, as the hooks per parameter did while it ran,
             # before the fresh .grads are mistaken for a stray backward's
             self._settle_intakes()
+            for bucket in self.buckets:  # its launched rounds: finished, their sums kept (not refused: "still reducing")
+                bucket.grads.after_raised_backward()
         strays = self._discard_strays()  # a stray backward that reached no trigger ([Note: arrivals read from ...])
         if strays:  # a .grad set by hand looks the same (stages 2-3 add one in; here it cannot be told apart)
             raise RuntimeError(STRAY + f" (found at the next engine.backward on {strays} parameter(s); nothing of it "
