@@ -207,10 +207,11 @@ def raised_backward_run(stage: int, per_parameter: bool, zero: dict | None = Non
     modes = []
     try:
         _train_through_a_raise(engine.module, engine.backward, engine.step, 4, 2 * rank,
-                               lambda: modes.extend(i.mode.name for i in engine.sharding.intakes if i is not None))
+                               lambda: modes.extend(i.mode.name for i in getattr(engine.sharding, "intakes", [])
+                                                    if i is not None))
     finally:
         bucket_intake.BucketIntake.settle = saved
-    engine.close()
+        engine.close()  # also when it raised: the pool's next test must not inherit its threads
     return modes, [p.detach().clone() for p in model.parameters()]
 
 
@@ -268,3 +269,11 @@ def test_a_backward_that_raised_after_a_reduction_launched_trains_on(dist_run, s
     for _, params in dist_run(2, raised_backward_run, stage, False, zero):
         for t, ref in zip(params, model.parameters()):
             torch.testing.assert_close(t, ref.detach(), rtol=1e-5, atol=1e-6)  # as above: fp32 summation order
+
+
+def test_stage3_after_a_raised_backward_says_what_to_do(dist_run):
+    """Stage 3's units stay mid-backward after a raise: the next engine.backward is refused, naming the way out."""
+    from tests.dist.harness import WorkerError
+
+    with pytest.raises(WorkerError, match="stage 3 cannot: load the last checkpoint"):
+        dist_run(2, raised_backward_run, 3, False, {"stage3_unit_min_params": 10})

@@ -350,8 +350,11 @@ class GradShard:
     def start_micro_step(self) -> None:
         """Before a backward: forget who reported (gradients keep accumulating)."""
         if self.state is GradState.REDUCING:
+            # stages 0-2 finish such a round first (after_raised_backward); stage 3's units stay mid-backward
             raise RuntimeError(f"zerodp: gradient shard {self.name or '?'} still reducing at the start of a "
-                               f"backward (the previous backward did not finish)")
+                               f"backward: the previous engine.backward raised before its end. Stages 0-2 go on from "
+                               f"there; stage 3 cannot: load the last checkpoint (engine.load_checkpoint) into a new "
+                               f"engine, or fix what raised")
         self._clear_reported()
         self.rounds_launched = 0
         if self.state is not GradState.FILLING:
