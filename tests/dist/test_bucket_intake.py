@@ -215,11 +215,8 @@ def raised_backward_run(stage: int, per_parameter: bool, zero: dict | None = Non
     return modes, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_a_backward_that_raised_is_taken_in_like_the_hooks_per_parameter(dist_run, stage):
-    """A backward that raises midway (a user's hook) leaves gradients in the buffer that no trigger saw (the bucket's
-    trigger, learned in step 0, never fires in it): the next engine.backward takes them in (each such parameter is
-    stepped), as the hooks per parameter and plain PyTorch do."""
+def plain_run_through_a_raise() -> torch.nn.Module:
+    """The reference: plain PyTorch on the global batch through the same raise (its partial .grads kept)."""
     model = _Layers()
     optimizer = _sgd(model)
 
@@ -227,6 +224,15 @@ def test_a_backward_that_raised_is_taken_in_like_the_hooks_per_parameter(dist_ru
         optimizer.step()
         optimizer.zero_grad()
     _train_through_a_raise(model, lambda loss: loss.backward(), step, 4, -1)
+    return model
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_backward_that_raised_is_taken_in_like_the_hooks_per_parameter(dist_run, stage):
+    """A backward that raises midway (a user's hook) leaves gradients in the buffer that no trigger saw (the bucket's
+    trigger, learned in step 0, never fires in it): the next engine.backward takes them in (each such parameter is
+    stepped), as the hooks per parameter and plain PyTorch do."""
+    model = plain_run_through_a_raise()
     for (modes, triggered), (_, hooked) in zip(dist_run(2, raised_backward_run, stage, False),
                                                dist_run(2, raised_backward_run, stage, True)):
         assert modes == ["TRIGGER"], modes  # the failing backward runs on the trigger's hook alone
@@ -258,13 +264,7 @@ def test_a_backward_that_raised_after_a_reduction_launched_trains_on(dist_run, s
     raises. The next engine.backward finishes those reductions and keeps their sums aside (as a late gradient's
     round does), so the gradients of the failed backward count once, as plain PyTorch's partial .grads do; before,
     every later backward was refused ("still reducing")."""
-    model = _Layers()
-    optimizer = _sgd(model)
-
-    def step():
-        optimizer.step()
-        optimizer.zero_grad()
-    _train_through_a_raise(model, lambda loss: loss.backward(), step, 4, -1)
+    model = plain_run_through_a_raise()
     zero = {"reduce_bucket_size": 30, "overlap_comm": True}
     for _, params in dist_run(2, raised_backward_run, stage, False, zero):
         for t, ref in zip(params, model.parameters()):
