@@ -52,7 +52,6 @@ from .grad_shard import GradShard, GradState
 from .param_hook import STRAY
 
 
-
 class Mode(Enum):
     LEARNING = auto()       # a hook per parameter, noting which one completes the bucket
     TRIGGER = auto()        # one hook, on that parameter
