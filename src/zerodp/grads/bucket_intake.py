@@ -72,14 +72,16 @@ class BucketIntake:
         self.fired = False          # the trigger's hook ran in this backward
         self._seen = [a._version for a in grads.views]
 
-    def hooked(self) -> list[int]:
-        """The parameters that carry a hook now."""
-        return [self.trigger] if self.mode is Mode.TRIGGER else list(range(len(self.params)))
+    def _foreign(self) -> list[int]:
+        """Parameters (indices) whose .grad is set and is not their alias: autograd's own tensor (a gradient after
+        the launch took the aliases back), or one set outside the engine."""
+        pairs = zip(self.params, self.grads.views)
+        return [i for i, (p, a) in enumerate(pairs) if p.grad is not None and p.grad is not a]
 
     def strays(self) -> list[torch.nn.Parameter]:
         """Parameters holding a .grad no backward of the engine's put there (before a backward: stray ones). An
         alias is none: a backward that raised before its end left it attached."""
-        return [p for p, a in zip(self.params, self.grads.views) if p.grad is not None and p.grad is not a]
+        return [self.params[i] for i in self._foreign()]
 
     def begin(self) -> None:
         """At the start of a backward, after the aliases were attached: versions from now on are arrivals."""
@@ -127,7 +129,7 @@ class BucketIntake:
             return False
         self._scan()
         before = g.reported  # heard from before any late gradient (a late one's round clears the flags)
-        late = [i for i, (p, a) in enumerate(zip(self.params, g.views)) if p.grad is not None and p.grad is not a]
+        late = self._foreign()
         for i in late:
             g.add_grad(i)  # after the launch: another round; before it (a .grad set by hand): added in
             self._seen[i] = g.views[i]._version  # our own add is not an arrival

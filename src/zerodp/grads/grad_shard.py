@@ -1,13 +1,13 @@
 """The gradient life cycle of one flat buffer of parameters, the same at every stage: `GradShard`.
 
 A stage 0-2 gradient bucket and a stage-3 flat unit both hold one `GradShard`. As backward produces
-each parameter's gradient (a post-accumulate-grad hook, grads/param_hook.py; stages 0-1 one per bucket, grads/bucket_intake.py), `add_grad` moves it
-into the flat full buffer and drops the parameter's own `.grad`; where the full buffer persists in the
-parameters' dtype (stages 0-1), autograd accumulates straight into it instead ([Note: gradients as
-buffer views]). A reduction (`launch`, then `wait`) sums the full
-buffer over ranks, divides by the number of ranks and leaves this rank's slice in `shard`; the dtypes
-and divisors are a `grads.grad_arithmetic.GradArithmetic`; its states and their checked transitions
-are `grads.grad_state.GradState`.
+each parameter's gradient (a post-accumulate-grad hook, grads/param_hook.py; at stages 0-1 one per
+bucket, grads/bucket_intake.py), `add_grad` moves it into the flat full buffer and drops the
+parameter's own `.grad`; where the full buffer persists in the parameters' dtype (stages 0-1),
+autograd accumulates straight into it instead ([Note: gradients as buffer views]). A reduction
+(`launch`, then `wait`) sums the full buffer over ranks, divides by the number of ranks and leaves
+this rank's slice in `shard`; the dtypes and divisors are a `grads.grad_arithmetic.GradArithmetic`;
+its states and their checked transitions are `grads.grad_state.GradState`.
 
 Policy, not copies (`keep_full`):
 - keep_full=True (stages 0 and 1): the full buffer persists and accumulates over micro-steps (in the

@@ -1,8 +1,9 @@
 """The stage 0-2 sharding strategy: `GradReducer`, what the engine drives (`seams.ShardingStrategy`).
 
-It hooks every bucket's gradients (stages 0-1: one trigger per bucket, grads/bucket_intake.py), reduces buckets through one `grads.reduce_queue.ReduceQueue` in
-bucket order (see [Note: collective order] there) and, after the optimizer step, all-gathers the
-updated shards back into the full parameters (stages 1-2; stage 0 stepped them whole).
+It hooks every bucket's gradients (stages 0-1: one trigger per bucket, grads/bucket_intake.py), reduces
+buckets through one `grads.reduce_queue.ReduceQueue` in bucket order (see [Note: collective order]
+there) and, after the optimizer step, all-gathers the updated shards back into the full parameters
+(stages 1-2; stage 0 stepped them whole).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class GradReducer:
             # (arrivals in the aliases, late .grads) is taken in now, as the hooks per parameter did while it ran,
             # before the fresh .grads are mistaken for a stray backward's
             self._settle_intakes()
-            for bucket in self.buckets:  # its launched rounds: finished, their sums kept (not refused: "still reducing")
+            for bucket in self.buckets:  # its launched rounds: finished, their sums kept (not "still reducing")
                 bucket.grads.after_raised_backward()
         strays = self._discard_strays()  # a stray backward that reached no trigger ([Note: arrivals read from ...])
         if strays:  # a .grad set by hand looks the same (stages 2-3 add one in; here it cannot be told apart)
