@@ -294,13 +294,19 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             grads = [c.grad for c in hidden]
             for c in hidden:
                 c.grad = None
+        self._step_inner(received, only, late)
+        for c, g in zip(hidden, grads if hidden else []):
+            c.grad = g
+
+    def _step_inner(self, received: Optional[torch.Tensor], only: Optional[set], late: AbstractSet[int]) -> None:
+        """One step of the inner optimizer over the chunks with a .grad (`only`: their ids, None: all): the
+        parameters without a gradient are left as torch leaves them, the `late` ones then stepped with their own
+        counts (step_counts.py)."""
         restore = self._snapshot_untouched(received, only, late)
         self.optimizer.step()
         self._restore_untouched(restore)
         if late:
             self.step_counts.step_late(self, late, only)
-        for c, g in zip(hidden, grads if hidden else []):
-            c.grad = g
 
     # -- parameters without a gradient ---------------------------------------------------------
 

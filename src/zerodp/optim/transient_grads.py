@@ -15,7 +15,7 @@ Taken only where that holds without further thought (`transient_grads_apply`): t
 classes of optim/inner.py, whose state is per parameter (no LARC, no shard-aware norms, one optimizer), no loss scaling (bf16), nothing
 offloaded and no step on the host (their plan steps in windows of its own: step_plan.py), no whole-tensor
 units. Mixed into `ShardedOptimizer`, whose members it uses (`units`, `masters`, `chunks`, `optimizer`,
-`group_indices`, `precision`, `scaler`, `offload`, `plan`, `step_counts`, `_snapshot_untouched`, `_restore_untouched`).
+`group_indices`, `precision`, `scaler`, `offload`, `plan`, `_step_inner`).
 """
 
 from __future__ import annotations
@@ -81,12 +81,7 @@ class TransientGradSteps:
                     if clip is not None:  # always multiplied: x * 1.0 is x, and the host never reads the coefficient
                         g.mul_(clip)
                     self.plan.bind(index, g, received)
-                only = {id(c) for c in chunks}
-                restore = self._snapshot_untouched(received, only, late)
-                self.optimizer.step()
-                self._restore_untouched(restore)
-                if late:
-                    self.step_counts.step_late(self, late, only)
+                self._step_inner(received, {id(c) for c in chunks}, late)
                 for c in chunks:
                     c.grad = None  # the window's fp32 copies go here
         finally:
