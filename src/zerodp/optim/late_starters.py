@@ -17,42 +17,32 @@ chunk, skipped by torch when it has no gradient) keep torch's counts and are not
 from __future__ import annotations
 
 import warnings
-from typing import Optional
-
 import torch
 
 MAX_NAMED = 5
 
 
 class LateStarters:
-    """Watches, step by step, which parameters missed a step and later got a gradient (see above)."""
+    """Says once which parameters missed a step and later got a gradient (see above): those `StepCounts.late` finds in
+    the units whose counts it does not correct."""
 
-    def __init__(self, units: list, exempt: list[bool]) -> None:
-        """`exempt`: per unit, True where torch's counts are kept anyway (whole tensors, step_counts.py)."""
+    def __init__(self, units: list) -> None:
         self.units = units
-        self.watched = [w for u, e in zip(units, exempt) for w in [not e] * len(u.params)]
-        self.missed: Optional[list[bool]] = None  # per parameter (units concatenated): missed a step taken
         self.warned = False
         self.param_names: dict[int, list[str]] = {}  # set by the engine: id(parameter) -> its names
 
-    def after_step(self, received: Optional[torch.Tensor], inner: torch.optim.Optimizer) -> None:
-        """After a step taken with `received` (host flags; None: every parameter got a gradient). Python lists, not
-        tensor operations: nothing here reads a device value (tests/unit/test_step_syncs.py)."""
-        if self.warned or received is None or not any("step" in s for s in inner.state.values()):
+    def after_step(self, late: set[int], inner: torch.optim.Optimizer) -> None:
+        """After a step taken, in which the `late` parameters (indices, units concatenated) got a gradient with a
+        count behind their chunk's."""
+        if self.warned or not late or not any("step" in s for s in inner.state.values()):
             return
-        flags = received.tolist()
-        if self.missed is None:
-            self.missed = [w and not r for r, w in zip(flags, self.watched)]
-            return
-        late = [i for i, (r, m) in enumerate(zip(flags, self.missed)) if r and m]
-        self.missed = [m or (w and not r) for r, m, w in zip(flags, self.missed, self.watched)]
-        if late:
-            self.warned = True
-            params = [p for u in self.units for p in u.params]
-            names = [self.param_names.get(id(params[i]), [f"#{i}"])[0] for i in late]
-            shown = ", ".join(names[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
-            warnings.warn(f"zerodp: {shown} got a gradient after missing an earlier step; {type(inner).__name__} keeps one "
-                          f"step count per flat chunk of parameters, so their bias correction uses the chunk's count, "
-                          f"not their own, and their updates differ from torch.optim's (as DeepSpeed's and FSDP1's flat "
-                          f"parameters do). zerodp keeps per-parameter counts for Adam, AdamW and FusedAdam only "
-                          f"([Note: one step count per chunk] in zerodp/optim/late_starters.py); this is said once", stacklevel=3)
+        self.warned = True
+        params = [p for u in self.units for p in u.params]
+        names = [self.param_names.get(id(params[i]), [f"#{i}"])[0] for i in sorted(late)]
+        more = f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
+        warnings.warn(f"zerodp: {', '.join(names[:MAX_NAMED])}{more} got a gradient after missing an earlier step; "
+                      f"{type(inner).__name__} keeps one step count per flat chunk of parameters, so their bias "
+                      f"correction uses the chunk's count, not their own, and their updates differ from torch.optim's "
+                      f"(as DeepSpeed's and FSDP1's flat parameters do). zerodp keeps per-parameter counts for Adam, "
+                      f"AdamW and FusedAdam only ([Note: one step count per chunk] in zerodp/optim/late_starters.py); "
+                      f"this is said once", stacklevel=3)

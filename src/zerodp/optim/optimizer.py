@@ -124,7 +124,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         # each parameter's own Adam step count ([Note: one step count per parameter] in step_counts.py); the
         # optimizers it does not cover are warned about ([Note: one step count per chunk] in late_starters.py)
         self.step_counts = StepCounts(units, self.whole, self.optimizer, self.group_indices)
-        self.late_starters = LateStarters(units, [w or c for w, c in zip(self.whole, self.step_counts.counted)])
+        self.late_starters = LateStarters(units)
         if getattr(self.optimizer, "shard_norms", None) is not None:
             self._bind_shard_layout()
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
@@ -271,6 +271,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             self.last_step_skipped = True
             return StepOutcome.NONFINITE
         late = self.step_counts.late(received)  # host lists: parameters stepped with their own count
+        uncorrected = self.step_counts.late(received, corrected=False)  # ... and those warned of (late_starters.py)
         if transient:  # fp32 copies of the 16-bit gradients made, clipped and stepped one window at a time
             self.step_transient(coef, received, late)
         else:
@@ -278,7 +279,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         self.plan.drop_grads()
         self.plan.write_back()  # the parameter shards follow their masters (unless they are them)
         self.step_counts.after_step(received)
-        self.late_starters.after_step(received, self.optimizer)
+        self.late_starters.after_step(uncorrected, self.optimizer)
         self.scaler.update(overflow=False)
         self.last_step_skipped = False
         return StepOutcome.STEPPED

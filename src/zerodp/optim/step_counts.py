@@ -54,6 +54,8 @@ class StepCounts:
         # a unit's inner group: its user group's position among the kept groups
         self.counted = [not w and keeps_counts(inner[group_indices.index(u.group_index)])
                         for u, w in zip(units, whole)]
+        # the units of an optimizer with a step count these counts do not correct (late_starters.py warns of them)
+        self.uncorrected = [not w and not c for w, c in zip(whole, self.counted)]
         self.offsets = [0]
         for unit in units:
             self.offsets.append(self.offsets[-1] + len(unit.params))
@@ -65,13 +67,15 @@ class StepCounts:
     def any_counted(self) -> bool:
         return any(self.counted)
 
-    def late(self, received: Optional[torch.Tensor]) -> set[int]:
-        """Parameters (indices, units concatenated) that get a gradient now and whose count is not their chunk's.
+    def late(self, received: Optional[torch.Tensor], corrected: bool = True) -> set[int]:
+        """Parameters (indices, units concatenated) that get a gradient now and whose count is not their chunk's, in
+        the units whose counts this corrects (`corrected`), or else in those it does not (`uncorrected`).
         `received`: host flags (None: every parameter got one); no device value is read."""
-        if not self.any_counted:
+        units = self.counted if corrected else self.uncorrected
+        if not any(units):
             return set()
         flags = received.tolist() if received is not None else None
-        return {i for i, c in enumerate(self.counts) if self.counted[self.unit_of[i]]
+        return {i for i, c in enumerate(self.counts) if units[self.unit_of[i]]
                 and (flags is None or flags[i]) and c != self.chunk_steps[self.unit_of[i]]}
 
     def after_step(self, received: Optional[torch.Tensor]) -> None:
