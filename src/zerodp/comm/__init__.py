@@ -9,7 +9,7 @@ is re-exported here.
 """
 
 from . import topology, watchdog
-from .backend import default_backend, nccl_usable, usable_backend
+from .backend import default_backend, gloo_serves_cpu, nccl_usable, usable_backend
 from .process_group import destroy_distributed, destroy_group, init_distributed, new_group_like, owns_default_group
 from .group import (REAL_COLLECTIVES_ENV, ProcessGroup, backend_name, get_rank, get_world_size, is_initialized,
                     issues_no_collectives,
@@ -19,7 +19,7 @@ from .collectives import (CommLog, CommRecord, Handle, add_observer, remove_obse
                           reduce_scatter)
 from .uneven import all_gather_uneven, reduce_scatter_uneven
 
-__all__ = ["topology", "watchdog", "default_backend", "nccl_usable", "usable_backend", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "Handle", "ProcessGroup",
+__all__ = ["topology", "watchdog", "default_backend", "gloo_serves_cpu", "nccl_usable", "usable_backend", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "Handle", "ProcessGroup",
            "add_observer", "remove_observer", "all_gather", "all_to_all", "chunk_ranges", "all_gather_uneven", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
            "destroy_distributed", "destroy_group", "get_rank", "get_world_size", "init_distributed", "is_initialized", "issues_no_collectives", "new_group_like",
            "owns_default_group", "real_collectives_requested", "record", "reduce_scatter", "reduce_scatter_uneven",

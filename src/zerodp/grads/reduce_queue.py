@@ -58,8 +58,7 @@ def control_device(group: comm.ProcessGroup, device: torch.device) -> torch.devi
     """Where the control flags travel: the host where `group` reduces CPU tensors (gloo, or DeepSpeed's
     "cpu:gloo,cuda:nccl"), so that agreeing waits for the other ranks' hosts and not for this rank's GPU
     ([Note: the control collective's one read]); else `device` (NCCL alone reduces CUDA tensors only)."""
-    entries = [e.replace(" ", "") for e in comm.backend_name(group).split(",")]
-    return torch.device("cpu") if any(e in ("gloo", "cpu:gloo") for e in entries) else torch.device(device)
+    return torch.device("cpu") if comm.gloo_serves_cpu(comm.backend_name(group)) else torch.device(device)
 
 
 class ReduceQueue:
