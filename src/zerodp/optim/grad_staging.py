@@ -38,6 +38,7 @@ host computes bitwise what the GPU would.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -55,7 +56,7 @@ class GradStaging:
         self.cuda = self.device.type == "cuda"
         self.armed = False                    # deliveries now are the step's final values
         # unit index -> the buffer the step reads (allocated once); the copies land in its last bytes
-        self._buffers = HostBuffers(Home(home.device, read_dtype, home.pinned, home.files))
+        self._buffers = HostBuffers(dataclasses.replace(home, dtype=read_dtype))
         self._events: dict[int, object] = {}          # unit index -> the event of its copy in flight (CUDA)
         self._fresh: set[int] = set()                 # units whose buffer holds the shard's final value
         self._taken: set[int] = set()                 # units the step reads: widened at `wait()`
