@@ -14,7 +14,7 @@ import zerodp
 from zerodp.activations import DEVICE, HOST, Checkpointer, RNGStatesTracker
 from zerodp.activations.model_parallel import ModelParallelGroup
 from zerodp.config.activation_checkpointing import ActivationCheckpointingConfig as Settings
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
 import zerodp.deepspeed as deepspeed
 from tests.activation_regions import assert_same, region_input_bytes, train
 

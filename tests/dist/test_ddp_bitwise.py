@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerodp
 from tests.dist.common import make_model, micro_batch
-from zerodp.models.gpt import GPT, MODEL_PRESETS
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS
 
 STEPS, MICRO_BS = 8, 3
 

@@ -147,7 +147,7 @@ def init_context_case():
     """from_config inside zerodp.init_context: parameters are born partitioned; then train like the plain model."""
     with zerodp.init_context(STAGE3):
         model = make_gpt2()
-    partitioned = all(isinstance(p, zerodp.stage3.PartitionedParameter) for p in model.parameters())
+    partitioned = all(isinstance(p, zerodp.shard.stage3.PartitionedParameter) for p in model.parameters())
     engine = zerodp.initialize(model, sgd(list(model.parameters())), STAGE3)
     world, rank = dist.get_world_size(), dist.get_rank()
     losses = []

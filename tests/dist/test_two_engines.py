@@ -1,7 +1,7 @@
 """Two engines in one process, as a trainer with a second model has them: engine A (stage 2, ParityNet, AdamW)
 and engine B (stage 3, another model, SGD with momentum) step side by side on 2 gloo ranks; A is closed while
 B trains on. Each equals its own plain-PyTorch reference (losses and parameters), and the process-wide state
-is given back in order (zerodp/runtime.py): A's close() leaves the default group and the watchdog settings B
+is given back in order (zerodp/engine/runtime.py): A's close() leaves the default group and the watchdog settings B
 uses; B's close(), the last, destroys the default group zerodp created and restores the settings of before.
 
 The ranks are launched as torchrun launches them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so that

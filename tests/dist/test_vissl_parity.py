@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
-import zerodp.integrations.vissl
-from zerodp.vissl import load_vissl
+import zerodp.adapters.vissl.vissl_engine
+from zerodp.config.vissl import load_vissl
 
 SWAV = Path(__file__).resolve().parents[1] / "configs" / "vissl" / "swav_8node_resnet.yaml"
 STEPS_PER_EPOCH, MICRO_BS = 6, 3
@@ -106,7 +106,7 @@ def vissl_run(stage: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     setup = load_vissl(SWAV, overrides=OVERRIDES[stage])
     model = make_model()
-    engine, schedule = zerodp.integrations.vissl.initialize(setup, model, steps_per_epoch=STEPS_PER_EPOCH)
+    engine, schedule = zerodp.adapters.vissl.vissl_engine.initialize(setup, model, steps_per_epoch=STEPS_PER_EPOCH)
     assert engine.stage == stage and isinstance(engine.optimizer.optimizer, zerodp.optim.LARC)
     losses, lrs = [], []
     for step in range(STEPS_PER_EPOCH):

@@ -11,7 +11,7 @@ def test_tiny_run_of_one_strategy_reports_its_figures():
     assert "error" not in row, row.get("error")
     assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["tflops"] > 0
     assert len(row["losses"]) == 3 and all(math.isfinite(x) for x in row["losses"])
-    assert row["params"] == sum(p.numel() for p in __import__("zerodp.models.gpt", fromlist=["GPT"]).GPT(
+    assert row["params"] == sum(p.numel() for p in __import__("zerodp.tools.models.gpt", fromlist=["GPT"]).GPT(
         gpu_bench.model_config("tiny")).parameters())
     failed = {"strategy": "fsdp2", "size": "tiny", "error": "RuntimeError: out of memory"}
     text = gpu_bench.table([row, failed])

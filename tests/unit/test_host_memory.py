@@ -20,7 +20,7 @@ def test_import_zerodp_runs_no_library_lookup():
              "calls = []\n"
              "real = ctypes.util.find_library\n"
              "ctypes.util.find_library = lambda name: calls.append(name) or real(name)\n"
-             "import zerodp, zerodp.engine, zerodp.offload.tier, zerodp.offload.store\n"
+             "import zerodp, zerodp.engine.zero_engine, zerodp.offload.tier, zerodp.offload.store\n"
              "print(calls)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import zerodp
-from zerodp.models.gpt import GPT, GPTConfig
+from zerodp.tools.models.gpt import GPT, GPTConfig
 from zerodp.optim import transient_grads
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=4, n_embd=32)

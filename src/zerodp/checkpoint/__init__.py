@@ -7,6 +7,9 @@
     consolidate.py   full fp32 state dicts from disk (no process group) or from a live engine
     hf_export.py     streaming consolidation into the Hugging Face layout (sharded safetensors + index)
     param_values.py  one parameter's whole master, gradient or optimizer state from a live engine
+
+    tensor_parallel.py  Checkpoints of ZeRO beside tensor parallelism: one zerodp checkpoint per tensor-parallel rank.
+    tensor_reader.py    Reading a safetensors file by element ranges with plain reads: `TensorFileReader`.
 """
 
 from ..errors import CheckpointError
