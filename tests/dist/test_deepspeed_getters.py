@@ -1,4 +1,4 @@
-"""The DeepSpeed calls the README lists for reading a sharded run (README, "Switching from DeepSpeed"):
+"""The DeepSpeed calls docs/deepspeed.md lists for reading a sharded run ("Switching from DeepSpeed"):
 `deepspeed.utils.safe_get_full_grad` / `safe_get_full_optimizer_state` / `safe_get_full_fp32_param`,
 `engine.get_global_grad_norm()` and `engine.is_gradient_accumulation_boundary()`, at stages 2 and 3
 on 2 and 3 gloo ranks with gradient accumulation and clipping, against a plain PyTorch reference

@@ -1,4 +1,4 @@
-"""Ctrl-C in `zerodp train` (README, "When something goes wrong"): a real SIGINT to the whole process
+"""Ctrl-C in `zerodp train` (docs/troubleshooting.md, "When things go wrong"): a real SIGINT to the whole process
 group, as a terminal sends it, after the first checkpoint. The run says where to continue from and
 exits 130; the resume it names continues from that checkpoint's step.
 """

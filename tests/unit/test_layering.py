@@ -235,5 +235,15 @@ def test_the_runtime_imports_no_adapter_and_no_planner():
                             "invert the dependency):\n  " + "\n  ".join(violations))
 
 
+# modules at the top that every tier may import, because they import no zerodp module (docs/layout.md)
+LEAVES = ("errors.py", "host_memory.py")
+
+
+def test_the_leaves_at_the_top_import_no_zerodp_module():
+    for leaf in LEAVES:
+        imports = sorted(t for t in _imports(ROOT / leaf) if _exists(t))
+        assert not imports, f"zerodp/{leaf} is a leaf (docs/layout.md: every package uses it), but imports {imports}"
+
+
 def test_the_checker_sees_a_cycle():
     assert _cycles({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}, "d": {"a": []}}) == [["a", "b", "c"]]

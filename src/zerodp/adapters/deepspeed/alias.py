@@ -41,8 +41,8 @@ class _RefuseUncovered(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.startswith(ALIAS + "."):
-            raise ModuleNotFoundError(f"{fullname} is not provided by zerodp.deepspeed (see the README's "
-                                      f"'Switching from DeepSpeed' for the modules covered)", name=fullname)
+            raise ModuleNotFoundError(f"{fullname} is not provided by zerodp.deepspeed (see docs/deepspeed.md "
+                                      f"for the modules covered)", name=fullname)
         return None
 
 
