@@ -226,7 +226,7 @@ class ZeroConfig(StrictModel):
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig,
         description="ZeRO-R: how checkpointed regions keep their inputs (docs/activations.md).")
 
-    # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config_auto resolves.
+    # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config/auto.py resolves.
     _notes: list[str] = PrivateAttr(default_factory=list)
     _warnings: list[str] = PrivateAttr(default_factory=list)
     _autos: set[str] = PrivateAttr(default_factory=set)

@@ -69,7 +69,7 @@ class ZeroEngine:
         self._lease.held_by(self)
         watchdog.activity.enter("setup")
         check_same_model(model, process_group)
-        config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config_auto)
+        config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config/auto.py)
         self.stage = config.stage
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = \
             config.resolve_batch(self.world_size)
