@@ -46,9 +46,11 @@ test: setup
 test-slow: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE $(call LOG_DURATIONS,test-slow) -m slow tests/e2e
 
-# The edit loop: unit and in-process tests only (well under a minute on 2 cores).
+# The edit loop: unit and in-process tests only, under a minute on 2 cores: the tests marked `heavy` (a few
+# seconds of CPU each: a subprocess, an engine's steps) are left to `make test`. The duration log's CPU seconds
+# show what to mark when it grows.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(call LOG_DURATIONS,test-fast) $(FAST_TESTS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(call LOG_DURATIONS,test-fast) -m "not heavy and not slow" $(FAST_TESTS)
 
 # One GPU, on a lent GPU machine as it is (docs/gpu.md): tests/gpu with the machine's python3 (its CUDA torch)
 # and the wheels of `make gpu-wheels`; under 8 minutes; logs under $$OUT (or gpu-out/). Needs no venv.

@@ -85,6 +85,7 @@ def test_user_mistakes_are_one_line_and_exit_2(capsys, argv, needle):
     assert "Traceback" not in err
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
     """Through the real entry point: a misspelt key, one line naming it, exit code 2, no rank started."""
     bad = tmp_path / "bad.json"

@@ -253,6 +253,7 @@ def test_gathered_parameters_skips_none_entries_as_deepspeed_does():
         assert lin.weight.sum().isfinite()
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_zerodp_deepspeed_is_the_adapter_under_its_public_name():
     """`zerodp.deepspeed[.X]` are the very modules of `zerodp.adapters.deepspeed[.X]` (zerodp/adapters/__init__.py):
     one class per name whichever path imported it, and `python -m zerodp.deepspeed.run` still runs."""

@@ -3,9 +3,12 @@ the benchmark runs it, trains and reports; a failing run is reported, not fatal.
 
 import math
 
+import pytest
+
 from bench import gpu_bench
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_tiny_run_of_one_strategy_reports_its_figures():
     row = gpu_bench.run_child("zerodp3", "tiny", tiny_steps=True, timeout_s=120)
     assert "error" not in row, row.get("error")

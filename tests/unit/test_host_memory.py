@@ -12,6 +12,7 @@ import pytest
 from zerodp import host_memory
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_import_zerodp_runs_no_library_lookup():
     """ctypes.util.find_library runs a subprocess (ldconfig, gcc); zerodp must not run it at import. torch is
     imported first: PyPI's CUDA build of torch looks up libdl itself at import (cuda.pathfinder), which is

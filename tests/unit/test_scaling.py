@@ -144,6 +144,7 @@ def test_scaling_doc_tables_are_current():
         assert row in text, row
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_the_documented_regenerate_command_runs(tmp_path):
     """docs/scaling.md's `python -m ... --write docs/scaling.md` is a command a developer types: run it as
     written on a copy of the page (the module path moved once, with the planners into zerodp.tools.plan)."""
