@@ -7,6 +7,7 @@
   `tests/dist/test_stage3_*.py` must match a file).
 - Every source path the docs name exists: `src/zerodp/...` and `zerodp/...` exactly; a shorter `pkg/module.py`
   under src/zerodp, or the repository root.
+- docs/layout.md's tree names every entry at the top of src/zerodp and every package of shard/, adapters/, tools/.
 - Every dotted name `zerodp.x.y` the docs name exists: a module file, then a name its source defines or imports
   (`zerodp.optim.LARC`), read without importing.
 
@@ -172,3 +173,19 @@ def test_the_checks_see_what_is_missing(tmp_path: Path):
     assert _source_paths(page)[0] == ["src/zerodp/no_such.py"]
     assert not _resolves("zerodp.no_such_thing") and not _resolves("zerodp.optim.NoSuchOptimizer")
     assert _resolves("zerodp.optim.LARC") and _resolves("zerodp.deepspeed.zero.Init")
+
+
+def test_the_layout_maps_the_top_level():
+    """docs/layout.md's tree names every entry at the top of src/zerodp, and every package in the folders that only
+    group packages (shard/, adapters/, tools/); the packages' own docstrings map the rest (test_layering)."""
+    text = _text(ROOT / "docs" / "layout.md")
+    tree = text[text.index("```\nsrc/zerodp/"):]
+    tree = tree[:tree.index("\n```", 4)]
+    named = set(re.findall(r"^[ \t]*((?:[A-Za-z_]\w*(?:\.py|/)[ \t]*)+)", tree, flags=re.M))
+    named = {n for group in named for n in group.split()}
+    entries = {p.name + ("/" if p.is_dir() else "") for p in PKG.iterdir() if p.name != "__pycache__"}
+    for folder in ("shard", "adapters", "tools"):
+        entries |= {p.name + ("/" if p.is_dir() else "") for p in (PKG / folder).iterdir()
+                    if p.name not in ("__pycache__", "__init__.py")}
+    lacking = sorted(entries - named)
+    assert not lacking, f"docs/layout.md's tree does not name {lacking}: add them where they belong in the tiers"
