@@ -1,6 +1,6 @@
 """The docs' structure (issue 43): README.md is a front page, and what README.md and docs/*.md point at exists.
 
-- README.md has at most 200 lines; the long sections live in docs/.
+- README.md has at most 200 lines; the long sections live in docs/, and its Docs index links every docs/ page.
 - Every relative link `[text](path#anchor)` in README.md and docs/*.md names an existing file, and an anchor
   into a markdown file names one of its headings (GitHub's slugs).
 - Every row of docs/guarantees.md names at least one test, and every test path it names exists (a glob such as
