@@ -36,6 +36,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Optional
 
+from . import launch_env
+
 DEFAULT_TIMEOUT_S = 600.0
 EXIT_CODE = 3
 RECORDER_SIZE = 32
@@ -108,7 +110,7 @@ class Settings(NamedTuple):
             timeout_s = float(env_timeout)
         env_sync = os.environ.get("ZERODP_DEBUG_SYNC", "") not in ("", "0")
         return Settings(DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s), bool(debug_sync) or env_sync,
-                        int(os.environ.get("RANK", "0")) if rank is None else rank)
+                        launch_env.global_rank() if rank is None else rank)
 
 
 _settings = Settings.resolve()

@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -103,6 +102,8 @@ import torch
 from torch import nn
 
 from .. import comm as _comm
+from ..comm.launch_env import LaunchEnvironment, export_torch_variables, read_launch_environment
+from ..errors import LaunchError
 from ..config import ConfigError, load_config
 from ..engine import initialize as zerodp_initialize
 from ..optim.inner import build_from_section, build_from_sections
@@ -146,11 +147,29 @@ def _usable_backend(dist_backend: str) -> str:
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True, timeout=None, init_method=None,
                      dist_init_required=None, config=None, rank: int = -1, world_size: int = -1) -> None:
-    """Initialize torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU) if not done yet."""
-    if dist_backend is not None and not torch.distributed.is_initialized() and "RANK" in os.environ:
+    """Initialize torch.distributed from the launch environment (gloo on CPU, NCCL on GPU) if not done yet.
+
+    `auto_mpi_discovery=True` (DeepSpeed's default): without torchrun's variables, a process started by srun or
+    mpirun joins the world its launcher made, read from the launcher's variables (DeepSpeed asks mpi4py; zerodp
+    reads SLURM's, Open MPI's and MPICH's environment: comm/launch_env.py), with `distributed_port` as the
+    rendezvous port unless MASTER_PORT is set. `auto_mpi_discovery=False`: such a process is refused (it would
+    otherwise train alone) with the variables seen and the fix."""
+    launch = _launch_environment(auto_mpi_discovery, distributed_port)
+    if dist_backend is not None and not torch.distributed.is_initialized() and launch.distributed:
+        export_torch_variables(launch)
         torch.distributed.init_process_group(backend=_usable_backend(dist_backend))
         return
-    _comm.init_distributed()
+    _comm.init_distributed(launch=launch)
+
+
+def _launch_environment(auto_mpi_discovery: bool, distributed_port: int) -> LaunchEnvironment:
+    launch = read_launch_environment(default_port=distributed_port)
+    if launch.from_scheduler and launch.distributed and not auto_mpi_discovery:
+        raise LaunchError(f"init_distributed(auto_mpi_discovery=False) in a process {launch.describe()} started "
+                          f"without torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): "
+                          f"it would train alone; pass auto_mpi_discovery=True (the default) to form the world from "
+                          f"the launcher's variables, or launch with torchrun")
+    return launch
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -205,7 +224,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         raise TypeError(f"zerodp.deepspeed.initialize does not take {sorted(unsupported)}")
     if model is None:
         raise ValueError("initialize needs model=<torch.nn.Module>")
-    if dist_init_required is False and not torch.distributed.is_initialized() and "RANK" in os.environ:
+    if dist_init_required is False and not torch.distributed.is_initialized() and read_launch_environment().distributed:
         # DeepSpeed refuses this too; zerodp.initialize would create the group the caller said not to create
         raise ConfigError("initialize(dist_init_required=False) under torchrun, but torch.distributed is not "
                           "initialized: call torch.distributed.init_process_group first, or leave dist_init_required "
