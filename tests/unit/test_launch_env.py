@@ -179,3 +179,69 @@ def test_local_rank_is_read_in_one_place():
                                   "SLURM_STEP_NUM_NODES": "1"}) == 3
     assert launch_env.local_rank({"LOCAL_RANK": "2", "RANK": "2", "WORLD_SIZE": "4"}) == 2
     assert launch_env.local_rank({}) == 0
+
+
+def test_zerodp_trains_default_out_is_one_folder_for_every_rank(monkeypatch):
+    from zerodp.app.train_args import default_out
+    from zerodp.errors import UsageError
+
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
+                "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
+                       "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3"}.items():
+        monkeypatch.setenv(key, value)
+    assert default_out() == "runs/train-slurm77.3"
+    for key in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    with pytest.raises(UsageError, match="openmpi.*pass --out DIR"):
+        default_out()
+
+
+def _only(monkeypatch, env: dict) -> None:
+    import os
+
+    prefixes = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
+    for key in list(os.environ):
+        if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ZERODP_LAUNCHER") \
+                or key.startswith(prefixes):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+MPIRUN_2 = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+
+
+def test_deepspeed_auto_mpi_discovery_false_refuses_a_scheduler_launch(monkeypatch):
+    import zerodp.deepspeed as deepspeed
+
+    _only(monkeypatch, MPIRUN_2)
+    with pytest.raises(LaunchError, match="auto_mpi_discovery=False.*openmpi.*OMPI_COMM_WORLD_SIZE=2.*"
+                                          "auto_mpi_discovery=True"):
+        deepspeed.init_distributed(auto_mpi_discovery=False)
+
+
+def test_deepspeed_distributed_port_is_the_discovered_worlds_port(monkeypatch):
+    from zerodp.deepspeed import _launch_environment
+
+    _only(monkeypatch, MPIRUN_2)
+    assert _launch_environment(True, 31337).master_port == 31337
+    monkeypatch.setenv("MASTER_PORT", "40001")  # MASTER_PORT set by the user wins, as in DeepSpeed's discovery
+    assert _launch_environment(True, 31337).master_port == 40001
+
+
+def test_zerodp_initialize_refuses_before_training(monkeypatch):
+    """The same refusal from zerodp.initialize (before any model work): never a world of one."""
+    import torch
+
+    import zerodp
+
+    _only(monkeypatch, {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2"})
+    with pytest.raises(LaunchError, match="srun started 4 tasks"):
+        zerodp.initialize(torch.nn.Linear(2, 2), None, {"train_micro_batch_size_per_gpu": 1,
+                                                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})

@@ -60,6 +60,20 @@ def under_launcher() -> bool:
     return read_launch_environment().distributed
 
 
+def default_out() -> str:
+    """`--out`'s default, a folder every rank of the job names alike: `runs/train-<id>` with torchrun's run id,
+    SLURM's job and step ids, or (one process) the time. Under mpirun, which exports no shared id, the ranks
+    cannot agree on a time: --out is required there."""
+    launch = read_launch_environment()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None and launch.launcher == "slurm" and os.environ.get("SLURM_JOB_ID"):
+        run_id = f"slurm{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    if run_id is None and launch.distributed:
+        raise UsageError(f"this rank was started by {launch.launcher} without an id its ranks share, so they cannot "
+                         f"agree on a default --out; pass --out DIR (a folder every node can see)")
+    return f"runs/train-{run_id or time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def _deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
@@ -184,8 +198,8 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     elif saved:  # resuming a run folder: continue writing into it
         out = str(Path(opts["resume"]) if (Path(opts["resume"]) / "run.json").is_file()
                   else Path(opts["resume"]).parent)
-    else:  # under torchrun every rank must agree on the folder: use the shared run id
-        out = f"runs/train-{os.environ.get('TORCHELASTIC_RUN_ID') or time.strftime('%Y%m%d-%H%M%S')}"
+    else:
+        out = default_out()
     continuing = run_folder.restart_count() > 0 or (resume_dir is not None and Path(out).resolve() in
                                                     (resume_dir.resolve(), resume_dir.resolve().parent))
     try:
