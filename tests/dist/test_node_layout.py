@@ -74,3 +74,38 @@ def test_ranks_of_a_node_not_numbered_consecutively_are_not_uniform(dist_run):
     hops refuse on such a job)."""
     for _, learned, _, crosses, _ in dist_run(4, layout_case, {}, True):
         assert learned == (2, 2, False) and crosses
+
+
+def _interleaved(fn, *args):
+    os.environ["ZERODP_HOSTNAME"] = f"node{dist.get_rank() % 2}"  # on_two_hosts restores it
+    return fn(*args)
+
+
+def _hpz_warnings() -> list:
+    from tests.dist.test_hpz import _engine
+
+    handler = _Collect()
+    logging.getLogger("zerodp").addHandler(handler)
+    try:
+        _, engine = _engine({"zero_hpz_partition_size": 2})
+        engine.close()
+    finally:
+        logging.getLogger("zerodp").removeHandler(handler)
+    return handler.messages
+
+
+def interleaved_hierarchical_case() -> tuple:
+    from tests.dist.test_hpz import refusal
+    from tests.dist.test_mics import TWO_HOPS
+
+    mics = on_two_hosts({}, _interleaved, refusal, TWO_HOPS)
+    hpz = on_two_hosts({}, _interleaved, _hpz_warnings)
+    return mics, hpz
+
+
+def test_hierarchical_modes_on_interleaved_nodes_refuse_or_warn(dist_run):
+    """docs/multinode.md: on srun's cyclic numbering MiCS's two hops refuse and hpZ warns (its blocks of
+    consecutive ranks span both hosts)."""
+    for mics, hpz in dist_run(4, interleaved_hierarchical_case):
+        assert "mics_hierarchical_params_gather needs blocks made of whole nodes" in mics
+        assert any("do not fit inside nodes" in w for w in hpz), hpz

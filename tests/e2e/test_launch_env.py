@@ -109,3 +109,37 @@ def test_zerodp_train_refuses_a_slurm_launch_it_cannot_join(tmp_path):
     for named in ("SLURM_PROCID=1", "SLURM_STEP_NUM_TASKS=4", "SLURM_STEP_NUM_NODES=2", "MASTER_ADDR"):
         assert named in lines[0]
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # three `zerodp train` runs of 2 ranks (~1-2 min on 2 cores)
+@pytest.mark.timeout(600)
+def test_zerodp_train_under_srun_trains_what_nproc_2_trains(tmp_path):
+    """`srun --ntasks 2 python -m zerodp train ...` (srun's variables set by hand on 2 plain processes): one world of
+    2 (one summary line), bitwise the parameters `zerodp train --nproc 2` trains, in the default folder SLURM's
+    job and step ids name."""
+    from tests.e2e.multinode_check import TINY
+    from tests.e2e.test_train import zerodp as run_zerodp
+    import zerodp
+
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**_clean_env(), "SLURM_JOB_ID": "977", "SLURM_STEP_ID": "2", "SLURM_PROCID": str(rank),
+               "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+               "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "zerodp", "train", *TINY, "--steps", "4"], cwd=tmp_path,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr[-3000:]}"
+    stdout = "".join(r[0] for r in results)
+    assert stdout.count("zerodp train summary: stage 3, 2 rank(s)") == 1, stdout  # one world, not two of one
+    out = tmp_path / "runs" / "train-slurm977.2"
+    reference = tmp_path / "one-node"
+    run_zerodp("train", *TINY, "--nproc", "2", "--steps", "4", "--out", str(reference), timeout=200)
+    expected = zerodp.consolidate_checkpoint(reference / "checkpoints")
+    got = zerodp.consolidate_checkpoint(out / "checkpoints")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name

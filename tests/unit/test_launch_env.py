@@ -245,3 +245,20 @@ def test_zerodp_initialize_refuses_before_training(monkeypatch):
     with pytest.raises(LaunchError, match="srun started 4 tasks"):
         zerodp.initialize(torch.nn.Linear(2, 2), None, {"train_micro_batch_size_per_gpu": 1,
                                                         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+
+
+def test_a_pytorchjob_pod_is_a_torchrun_rank():
+    """Kubeflow's PyTorchJob sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (one process per pod)."""
+    env = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2"}
+    launch = read_launch_environment(env)
+    assert (launch.launcher, launch.rank, launch.world_size, launch.local_rank) == ("torchrun", 2, 3, 0)
+    assert launch.distributed and (launch.master_addr, launch.master_port) == ("job-master-0", 23456)
+
+
+@pytest.mark.parametrize("env, name", [
+    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one'"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2x", "SLURM_STEP_NUM_NODES": "1"}, "SLURM_STEP_NUM_TASKS='2x'"),
+])
+def test_a_variable_that_is_not_a_number_is_refused(env, name):
+    with pytest.raises(LaunchError, match=f"{name} is not a whole number"):
+        read_launch_environment(env)

@@ -177,17 +177,19 @@ _spans: dict[tuple, bool] = {}  # (group name, what the layout was read from) ->
 
 
 def crosses_nodes(group=None) -> bool:
-    """Whether `group` has ranks on more than one node (its collectives use the inter-node link)."""
+    """Whether `group` has ranks on more than one node (its collectives use the inter-node link). Called for every
+    recorded collective: answered from a cache keyed by the group and what the layout was read from."""
     if not _initialized() or _world(group) == 1:
         return False
-    names = _known_hosts(group)
-    source = ("hosts", _hosts.version) if names is not None else ("hints", node_layout().ranks_per_node)
-    key = ("world" if group is None else str(getattr(group, "group_name", id(group))), source)
+    name = "world" if group is None else str(getattr(group, "group_name", id(group)))
+    learned = _hosts is not None and _hosts.world is dist.group.WORLD
+    key = (name, ("hosts", _hosts.version) if learned else ("hints", node_layout().ranks_per_node))
     if key not in _spans:
+        names = _known_hosts(group) if learned else None
         if names is not None:
             _spans[key] = len(set(names)) > 1
         else:
-            per_node = source[1]
+            per_node = _from_hints(dist.get_world_size()).ranks_per_node
             _spans[key] = len({r // per_node for r in _ranks(group)}) > 1
     return _spans[key]
 
