@@ -34,10 +34,10 @@ def main(argv: list[str]) -> None:
     if local_rank_argument:
         argv = argv[1:]
         launch = read_launch_environment()  # LaunchError where a launch cannot form one world
-        if not launch.distributed:
-            raise SystemExit("zerodp.deepspeed.run --local_rank: no launcher started this process (LOCAL_RANK is not "
-                             "set); launch with torchrun (torchrun --nproc_per_node N -m zerodp.deepspeed.run "
-                             "--local_rank SCRIPT.py ...), srun or mpirun")
+        if not launch.distributed and "LOCAL_RANK" not in os.environ:
+            raise SystemExit("zerodp.deepspeed.run --local_rank: LOCAL_RANK is not set; launch with torchrun "
+                             "(torchrun --nproc_per_node N -m zerodp.deepspeed.run --local_rank SCRIPT.py ...), srun "
+                             "or mpirun")
     if not argv or argv[0].startswith("-"):
         raise SystemExit(USAGE)
     script = argv[0]
