@@ -103,7 +103,10 @@ def test_master_addr_and_port_set_by_the_user_win():
 def test_slurm_batch_script_is_one_process_or_refused():
     """The batch script has SLURM_PROCID=0 and the allocation's SLURM_NTASKS but no step: it is not a task."""
     assert not read_launch_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).distributed
-    with pytest.raises(LaunchError, match="batch script.*srun python train.py"):
+    # `srun --ntasks 1 zerodp train --nproc N`: one task, which launches its own ranks
+    assert not read_launch_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1",
+                                        "SLURM_STEP_NODELIST": "n1"}).distributed
+    with pytest.raises(LaunchError, match="batch script.*srun python train.py.*srun --ntasks 1 zerodp train"):
         read_launch_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-2]"})
 
 
@@ -231,7 +234,7 @@ def test_deepspeed_distributed_port_is_the_discovered_worlds_port(monkeypatch):
 
     _only(monkeypatch, MPIRUN_2)
     assert _launch_environment(True, 31337).master_port == 31337
-    monkeypatch.setenv("MASTER_PORT", "40001")  # MASTER_PORT set by the user wins, as in DeepSpeed's discovery
+    monkeypatch.setenv("MASTER_PORT", "40001")  # the user's MASTER_PORT wins (DeepSpeed's discovery overwrites it)
     assert _launch_environment(True, 31337).master_port == 40001
 
 

@@ -225,7 +225,8 @@ def _slurm(env: Mapping[str, str], default_port: int) -> Optional[LaunchEnvironm
         if _int(env, "SLURM_NTASKS", 1) > 1:
             raise LaunchError(f"SLURM variables without a job step ({_list(seen)}; no SLURM_STEP_NUM_TASKS): this is "
                               f"the batch script, one process, not one of the {env['SLURM_NTASKS']} tasks; start the "
-                              f"ranks with `srun python train.py ...` (or torchrun on each node)")
+                              f"ranks with `srun python train.py ...` (or torchrun on each node); a process that starts "
+                              f"its own ranks runs as one task: `srun --ntasks 1 zerodp train --nproc N ...`")
         return LaunchEnvironment("slurm", 0, 1, 0, 1, None, 1, None, None, seen)
     rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS")
     _check_rank(rank, world, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", seen)
