@@ -1,10 +1,11 @@
 """One rank of a job started the way a scheduler starts it: a plain `python` process with srun's or mpirun's
 variables and none of torchrun's (tests/e2e/test_launch_env.py spawns several).
 
-    python -m tests.e2e.launch_env_worker OUT_DIR
+    python -m tests.e2e.launch_env_worker OUT_DIR [deepspeed PORT]
 
 Trains the parity model with `zerodp.initialize` (which forms the world from the environment) and saves what
-this rank saw to OUT_DIR/rank<r>.pt: its losses and final parameters, the world, torchrun's variables as exported,
+this rank saw to OUT_DIR/rank<r>.pt (with `deepspeed PORT`: the world is made first by DeepSpeed's
+`init_distributed(dist_backend="gloo", distributed_port=PORT)` through zerodp.deepspeed): its losses and final parameters, the world, torchrun's variables as exported,
 the node layout, the hpZ and MiCS groups' node view and the warnings zerodp logged.
 """
 
@@ -36,8 +37,12 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def main(out: Path) -> None:
+def main(out: Path, deepspeed_port: int = 0) -> None:
     torch.set_num_threads(1)
+    if deepspeed_port:
+        import zerodp.deepspeed as deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", distributed_port=deepspeed_port)
     warnings = _Collect()
     logging.getLogger("zerodp").addHandler(warnings)
     losses, params = common.zerodp_run(CONFIG, "adamw", STEPS, MICRO_BS)
@@ -47,8 +52,10 @@ def main(out: Path) -> None:
               "layout": tuple(topology.node_layout()), "world_crosses_nodes": topology.crosses_nodes(None),
               "warnings": warnings.messages}
     torch.save(result, out / f"rank{dist.get_rank()}.pt")
+    if dist.is_initialized():
+        dist.destroy_process_group()  # DeepSpeed's init_distributed made it (comm.destroy_distributed: zerodp's own)
     comm.destroy_distributed()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[2] == "deepspeed" else 0)

@@ -51,9 +51,14 @@ def open_mpi_env(rank: int, port: int) -> dict:
             "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_PORT": str(port), "ZERODP_HOSTNAME": f"node{rank // 2}"}
 
 
-def _spawn(env_of, out: Path, timeout: float = 240) -> list[dict]:
+def mpich_env(rank: int, _port: int) -> dict:
+    """What `mpiexec -n 4` (MPICH's Hydra) sets on one node; no MASTER_ADDR or MASTER_PORT."""
+    return {"PMI_RANK": str(rank), "PMI_SIZE": "4", "MPI_LOCALRANKID": str(rank), "MPI_LOCALNRANKS": "4"}
+
+
+def _spawn(env_of, out: Path, timeout: float = 240, extra: tuple = ()) -> list[dict]:
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.e2e.launch_env_worker", str(out)], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.e2e.launch_env_worker", str(out), *extra], cwd=REPO,
                               env={**_clean_env(), **env_of(rank, port)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
     try:
@@ -143,3 +148,19 @@ def test_zerodp_train_under_srun_trains_what_nproc_2_trains(tmp_path):
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+@pytest.mark.slow  # 4 interpreters importing torch (~30-60 s on 2 busy cores)
+@pytest.mark.timeout(300)
+def test_deepspeed_init_distributed_forms_the_mpich_world_on_its_port(tmp_path):
+    """A DeepSpeed script's `deepspeed.init_distributed(dist_backend="gloo", distributed_port=P)` under MPICH's
+    mpiexec on one node (PMI_*, MPI_LOCAL*, no MASTER_*): one world of 4 at 127.0.0.1:P, exact against PyTorch."""
+    port = free_port()
+    results = _spawn(mpich_env, tmp_path, extra=("deepspeed", str(port)))
+    ref_losses, ref_params = reference_run("adamw", worker.STEPS, worker.MICRO_BS * WORLD, 0.5)
+    for rank, result in enumerate(results):
+        assert (result["rank"], result["world"]) == (rank, WORLD)
+        assert_matches_reference(rank, result["losses"], result["params"], ref_losses, ref_params, "mpich")
+        assert (result["exported"]["MASTER_ADDR"], result["exported"]["MASTER_PORT"]) == ("127.0.0.1", str(port))
+        assert result["layout"] == (4, 1, True) and not result["world_crosses_nodes"]  # one host, as MPI says
+        assert not [w for w in result["warnings"] if "launcher's variables say" in w]
