@@ -265,3 +265,16 @@ def test_a_pytorchjob_pod_is_a_torchrun_rank():
 def test_a_variable_that_is_not_a_number_is_refused(env, name):
     with pytest.raises(LaunchError, match=f"{name} is not a whole number"):
         read_launch_environment(env)
+
+
+def test_deepspeed_init_distributed_arguments_must_match_the_environment(monkeypatch):
+    import zerodp.deepspeed as deepspeed
+
+    _only(monkeypatch, MPIRUN_2)
+    with pytest.raises(LaunchError, match="world_size=8.*says world_size=2.*openmpi"):
+        deepspeed.init_distributed(world_size=8)
+    with pytest.raises(LaunchError, match="init_method='tcp://h:1'.*drop init_method"):
+        deepspeed.init_distributed(init_method="tcp://h:1")
+    _only(monkeypatch, {})
+    with pytest.raises(LaunchError, match="rank=1, world_size=2.*says rank=0, world_size=1"):
+        deepspeed.init_distributed(rank=1, world_size=2)

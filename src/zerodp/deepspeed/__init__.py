@@ -153,13 +153,31 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     mpirun joins the world its launcher made, read from the launcher's variables (DeepSpeed asks mpi4py; zerodp
     reads SLURM's, Open MPI's and MPICH's environment: comm/launch_env.py), with `distributed_port` as the
     rendezvous port unless MASTER_PORT is set. `auto_mpi_discovery=False`: such a process is refused (it would
-    otherwise train alone) with the variables seen and the fix."""
+    otherwise train alone) with the variables seen and the fix. `rank`/`world_size`, if given, must be the
+    environment's; an `init_method` other than env:// is refused (zerodp forms the world from the environment)."""
+    if torch.distributed.is_initialized():
+        return  # as DeepSpeed: a group made already is the world
     launch = _launch_environment(auto_mpi_discovery, distributed_port)
-    if dist_backend is not None and not torch.distributed.is_initialized() and launch.distributed:
+    _check_given_world(launch, rank, world_size, init_method)
+    if dist_backend is not None and launch.distributed:
         export_torch_variables(launch)
         torch.distributed.init_process_group(backend=_usable_backend(dist_backend))
         return
     _comm.init_distributed(launch=launch)
+
+
+def _check_given_world(launch: LaunchEnvironment, rank: int, world_size: int, init_method) -> None:
+    if init_method not in (None, "env://"):
+        raise LaunchError(f"init_distributed(init_method={init_method!r}): zerodp forms the world from the launcher's "
+                          f"environment only; launch with torchrun (or srun/mpirun) and drop init_method")
+    given = [(name, value, mine) for name, value, mine in (("rank", rank, launch.rank),
+                                                            ("world_size", world_size, launch.world_size))
+             if value is not None and value >= 0 and value != mine]
+    if given:
+        said = ", ".join(f"{name}={value}" for name, value, _ in given)
+        raise LaunchError(f"init_distributed({said}) but the launch environment says "
+                          f"{', '.join(f'{name}={mine}' for name, _, mine in given)} ({launch.describe()}); drop the "
+                          f"arguments (zerodp reads the environment) or launch with a matching world")
 
 
 def _launch_environment(auto_mpi_discovery: bool, distributed_port: int) -> LaunchEnvironment:
