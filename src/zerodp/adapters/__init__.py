@@ -22,6 +22,16 @@ import sys
 PUBLIC, REAL = "zerodp.deepspeed", "zerodp.adapters.deepspeed"
 
 
+class _PublicSpec(importlib.machinery.ModuleSpec):
+    """A public name's spec whose package is the real one: `python -m zerodp.deepspeed.run` executes run.py with
+    `__package__` = zerodp.adapters.deepspeed, so its relative imports resolve as they do when imported."""
+
+    @property
+    def parent(self):
+        real = REAL + self.name[len(PUBLIC):]
+        return real if self.submodule_search_locations is not None else real.rpartition(".")[0]
+
+
 class _PublicName(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """`zerodp.deepspeed[.X]` -> `zerodp.adapters.deepspeed[.X]`, the same module object.
 
@@ -40,8 +50,7 @@ class _PublicName(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         real = importlib.util.find_spec(self._real(fullname))
         if real is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self, origin=real.origin,
-                                              is_package=real.submodule_search_locations is not None)
+        return _PublicSpec(fullname, self, origin=real.origin, is_package=real.submodule_search_locations is not None)
 
     def create_module(self, spec):
         return None

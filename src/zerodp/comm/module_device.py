@@ -20,13 +20,13 @@ The decision is `training_device(backend, local_rank)`: data in, a device out, t
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .. import comm
+from . import launch_env
 from .backend import nccl_serves_cuda
 
 
@@ -37,8 +37,8 @@ def training_device(backend: str, local_rank: int) -> Optional[torch.device]:
 
 
 def rank_training_device(process_group: comm.ProcessGroup = None) -> Optional[torch.device]:
-    """`training_device` of this process: the group's backend, torchrun's LOCAL_RANK."""
-    return training_device(comm.backend_name(process_group), int(os.environ.get("LOCAL_RANK", "0")))
+    """`training_device` of this process: the group's backend, its launcher's local rank (comm/launch_env.py)."""
+    return training_device(comm.backend_name(process_group), launch_env.local_rank())
 
 
 def _holds_no_storage(param: torch.Tensor) -> bool:

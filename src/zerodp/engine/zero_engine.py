@@ -387,8 +387,10 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
     config = load_config(config)
     if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
         activations.PROCESS.adopt(config.activation_checkpointing)
-    comm.init_distributed(RUNTIME.backend_timeout_s(config))
+    created = comm.init_distributed(RUNTIME.backend_timeout_s(config))
     group = process_group if mpu is None else data_parallel_group(mpu, process_group)  # what ZeRO shards over
+    if not created:  # a group made elsewhere (or an earlier engine's): which host each of its ranks runs on, now
+        comm.topology.learn_hosts(group)  # (hpZ and MiCS size their blocks by it; comm/topology.py)
     lease = RUNTIME.lease(config, comm.get_rank(group), group)
     try:
         place_module(model, group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])

@@ -115,7 +115,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -123,6 +122,8 @@ import torch
 from torch import nn
 
 from ... import comm as _comm
+from ...comm.launch_env import LaunchEnvironment, export_torch_variables, read_launch_environment
+from ...errors import LaunchError
 from ...config import ConfigError, load_config
 from ...engine.zero_engine import initialize as zerodp_initialize
 from ...optim.inner import build_from_section, build_from_sections
@@ -166,11 +167,47 @@ def _usable_backend(dist_backend: str) -> str:
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True, timeout=None, init_method=None,
                      dist_init_required=None, config=None, rank: int = -1, world_size: int = -1) -> None:
-    """Initialize torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU) if not done yet."""
-    if dist_backend is not None and not torch.distributed.is_initialized() and "RANK" in os.environ:
+    """Initialize torch.distributed from the launch environment (gloo on CPU, NCCL on GPU) if not done yet.
+
+    `auto_mpi_discovery=True` (DeepSpeed's default): without torchrun's variables, a process started by srun or
+    mpirun joins the world its launcher made, read from the launcher's variables (DeepSpeed asks mpi4py; zerodp
+    reads SLURM's, Open MPI's and MPICH's environment: comm/launch_env.py), with `distributed_port` as the
+    rendezvous port unless MASTER_PORT is set. `auto_mpi_discovery=False`: such a process is refused (it would
+    otherwise train alone) with the variables seen and the fix. `rank`/`world_size`, if given, must be the
+    environment's; an `init_method` other than env:// is refused (zerodp forms the world from the environment)."""
+    if torch.distributed.is_initialized():
+        return  # as DeepSpeed: a group made already is the world
+    launch = _launch_environment(auto_mpi_discovery, distributed_port)
+    _check_given_world(launch, rank, world_size, init_method)
+    if dist_backend is not None and launch.distributed:
+        export_torch_variables(launch)
         torch.distributed.init_process_group(backend=_usable_backend(dist_backend))
         return
-    _comm.init_distributed()
+    _comm.init_distributed(launch=launch)
+
+
+def _check_given_world(launch: LaunchEnvironment, rank: int, world_size: int, init_method) -> None:
+    if init_method not in (None, "env://"):
+        raise LaunchError(f"init_distributed(init_method={init_method!r}): zerodp forms the world from the launcher's "
+                          f"environment only; launch with torchrun (or srun/mpirun) and drop init_method")
+    given = [(name, value, mine) for name, value, mine in (("rank", rank, launch.rank),
+                                                            ("world_size", world_size, launch.world_size))
+             if value is not None and value >= 0 and value != mine]
+    if given:
+        said = ", ".join(f"{name}={value}" for name, value, _ in given)
+        raise LaunchError(f"init_distributed({said}) but the launch environment says "
+                          f"{', '.join(f'{name}={mine}' for name, _, mine in given)} ({launch.describe()}); drop the "
+                          f"arguments (zerodp reads the environment) or launch with a matching world")
+
+
+def _launch_environment(auto_mpi_discovery: bool, distributed_port: int) -> LaunchEnvironment:
+    launch = read_launch_environment(default_port=distributed_port)
+    if launch.from_scheduler and launch.distributed and not auto_mpi_discovery:
+        raise LaunchError(f"init_distributed(auto_mpi_discovery=False) in a process {launch.describe()} started "
+                          f"without torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): "
+                          f"it would train alone; pass auto_mpi_discovery=True (the default) to form the world from "
+                          f"the launcher's variables, or launch with torchrun")
+    return launch
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -225,7 +262,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer: Any = No
         raise TypeError(f"zerodp.deepspeed.initialize does not take {sorted(unsupported)}")
     if model is None:
         raise ValueError("initialize needs model=<torch.nn.Module>")
-    if dist_init_required is False and not torch.distributed.is_initialized() and "RANK" in os.environ:
+    if dist_init_required is False and not torch.distributed.is_initialized() and read_launch_environment().distributed:
         # DeepSpeed refuses this too; zerodp.initialize would create the group the caller said not to create
         raise ConfigError("initialize(dist_init_required=False) under torchrun, but torch.distributed is not "
                           "initialized: call torch.distributed.init_process_group first, or leave dist_init_required "

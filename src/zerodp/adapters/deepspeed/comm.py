@@ -20,9 +20,9 @@ def get_world_size(group=None) -> int:
 
 
 def get_local_rank() -> int:
-    import os
+    from ...comm.launch_env import local_rank
 
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank()
 
 
 def barrier(group=None) -> None:

@@ -142,9 +142,9 @@ class DeepSpeedEngine(ConsolidatedWeights):
 
     @property
     def local_rank(self) -> int:
-        import os
+        from ...comm.launch_env import local_rank
 
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return local_rank()
 
     @property
     def world_size(self) -> int:

@@ -25,13 +25,13 @@ forward frees.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
 from ... import comm
+from ...comm import launch_env
 from ...config import ZeroConfig
 from ...comm.module_device import place_module
 from ...precision.policy import PrecisionPolicy
@@ -56,7 +56,7 @@ class ForwardEngine:
             module.to(dtype=dtype)  # whole tensors only: parameters built sharded are in this dtype already
             self.sharding = build_stage3_sharding(module, [], config, process_group, forward_only=True)
             return
-        device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+        device = torch.device(get_accelerator().device_name(launch_env.local_rank()))
         # DeepSpeed casts the whole module (parameters and floating buffers) to the half dtype, then moves it
         module.to(device=device, dtype=dtype)
 

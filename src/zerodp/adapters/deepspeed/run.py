@@ -22,6 +22,7 @@ import sys
 
 from _zerodp_deepspeed_alias import ENV
 
+from ...comm.launch_env import read_launch_environment
 from .alias import install
 
 
@@ -32,9 +33,11 @@ def main(argv: list[str]) -> None:
     local_rank_argument = bool(argv) and argv[0] == "--local_rank"
     if local_rank_argument:
         argv = argv[1:]
-        if "LOCAL_RANK" not in os.environ:
+        launch = read_launch_environment()  # LaunchError where a launch cannot form one world
+        if not launch.distributed and "LOCAL_RANK" not in os.environ:
             raise SystemExit("zerodp.deepspeed.run --local_rank: LOCAL_RANK is not set; launch with torchrun "
-                             "(torchrun --nproc_per_node N -m zerodp.deepspeed.run --local_rank SCRIPT.py ...)")
+                             "(torchrun --nproc_per_node N -m zerodp.deepspeed.run --local_rank SCRIPT.py ...), srun "
+                             "or mpirun")
     if not argv or argv[0].startswith("-"):
         raise SystemExit(USAGE)
     script = argv[0]
@@ -43,7 +46,7 @@ def main(argv: list[str]) -> None:
     install()
     os.environ[ENV] = "1"  # inherited by the processes the script starts: their start-up hook installs the alias
     # DeepSpeed's launcher puts --local_rank before the script's own arguments
-    sys.argv = [script, f"--local_rank={os.environ['LOCAL_RANK']}", *argv[1:]] if local_rank_argument else list(argv)
+    sys.argv = [script, f"--local_rank={launch.local_rank}", *argv[1:]] if local_rank_argument else list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # was this package's directory under -m
     runpy.run_path(script, run_name="__main__")
 

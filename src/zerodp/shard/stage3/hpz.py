@@ -58,7 +58,7 @@ def build_secondary_group(size: int, process_group: comm.ProcessGroup, *, whole_
         log.info("zerodp hpZ: zero_hpz_partition_size=%d is the world size: the secondary shards would be the primary "
                  "ones, so hpZ changes nothing", size)
         return None
-    layout = topology.node_layout()
+    layout = topology.node_layout(process_group)  # from the hosts its ranks run on (comm/topology.py)
     if not layout.uniform or layout.ranks_per_node % size:
         log.warning("zerodp hpZ: blocks of %d ranks do not fit inside nodes of %d ranks, so the backward's gathers still "
                     "cross nodes; set zero_hpz_partition_size to the ranks per node (or a divisor of it)", size,

@@ -91,7 +91,7 @@ def build_replicated_shards(shard_size: int, hierarchical_gather: bool, process_
 
 def _two_hops(shard_size: int, world: int, process_group: comm.ProcessGroup) -> Optional[TwoHops]:
     """The communicators of [Note: two-hop gathers], or None when a block sits inside one node."""
-    layout = topology.node_layout()
+    layout = topology.node_layout(process_group)  # from the hosts its ranks run on (comm/topology.py)
     per_node = layout.ranks_per_node
     if shard_size <= per_node and layout.uniform:
         log.info("zerodp MiCS: a block of %d ranks sits inside a node of %d: mics_hierarchical_params_gather "
@@ -99,8 +99,9 @@ def _two_hops(shard_size: int, world: int, process_group: comm.ProcessGroup) -> 
         return None
     if not layout.uniform or shard_size % per_node:
         raise ConfigError(f"mics_hierarchical_params_gather needs blocks made of whole nodes: mics_shard_size="
-                          f"{shard_size} is not a multiple of the {per_node} ranks per node (LOCAL_WORLD_SIZE), or "
-                          f"the nodes run different numbers of ranks; set mics_shard_size to a multiple of it")
+                          f"{shard_size} is not a multiple of the {per_node} ranks per node (by host), or the nodes "
+                          f"run different numbers of ranks or number them not consecutively; set mics_shard_size to a "
+                          f"multiple of it, with ranks numbered node by node")
     nodes = shard_size // per_node
     blocks = range(0, world, shard_size)
     across = topology.subgroup_of([[b + i + per_node * j for j in range(nodes)] for b in blocks

@@ -4,8 +4,9 @@ Two halves. The launcher half runs once, in the user's process: `train_args.reso
 options, a config file and (on resume) the saved `run.json` into one validated `TrainArgs`, so user
 mistakes fail there as one line, and then `launch` starts the ranks with torchrun's own launcher API
 (`elastic_launch` with a `LaunchConfig`, standalone c10d rendezvous on localhost). When torchrun's
-variables are already set (`torchrun --nproc_per_node 2 -m zerodp train ...`) it does not launch
-again: this process is a rank, and runs the worker itself.
+variables are already set (`torchrun --nproc_per_node 2 -m zerodp train ...`), or srun's or mpirun's are
+(comm/launch_env.py, docs/multinode.md), it does not launch again: this process is a rank, and runs the
+worker itself.
 
 The worker half (`run_worker`) is the training loop every rank runs: GPT + AdamW through
 `zerodp.initialize`, rank r of N reading its slice of each step's global batch
@@ -32,6 +33,7 @@ import psutil
 import torch
 
 from ... import comm
+from ...comm import launch_env
 from ..plan import format_bytes
 from . import run_folder
 from .corpus import ByteCorpus
@@ -39,7 +41,7 @@ from .device import predicted_peak_cuda_bytes, rank_device, sample_generator
 from ..models.gpt import GPT, MODEL_PRESETS, lm_loss
 from ..models.tp_gpt import TensorParallelGPT, tp_lm_loss
 from ...tensor_parallel import ModelParallelUnit, seed_model_parallel
-from .train_args import TrainArgs, under_torchrun
+from .train_args import TrainArgs, under_launcher
 from .report import MetricsLog, activation_report, format_log_line, plot_loss, read_metrics, render_summary
 
 WARMUP_FRACTION = 0.05   # linear warm-up over the first 5% of steps, then cosine decay to 10% of lr
@@ -54,11 +56,12 @@ SAMPLE_TEMPERATURE = 0.8
 # The launcher half.
 
 def launch(args: TrainArgs) -> dict:
-    """Run the job: as this rank under torchrun, else start `args.nproc` local ranks and wait.
+    """Run the job: as this rank under a launcher (torchrun, srun, mpirun), else start `args.nproc` local ranks
+    and wait.
 
     Returns rank 0's result (the summary figures). Worker failures raise torch's ChildFailedError.
     """
-    if under_torchrun():
+    if under_launcher():
         return run_worker(args)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -102,7 +105,7 @@ def _build_optimizer(model: GPT, args: TrainArgs):
 
 def _device() -> torch.device:
     """This rank's GPU when CUDA is available (NCCL needs CUDA tensors), else the CPU (device.py)."""
-    return rank_device(torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", "0")))
+    return rank_device(torch.cuda.is_available(), launch_env.local_rank())
 
 
 def _mean_over_ranks(value: float) -> float:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ...comm.launch_env import read_launch_environment
 from ...config import load_config
 from ...errors import UsageError
 from . import run_folder
@@ -52,9 +53,25 @@ class TrainArgs:
 
 
 
-def under_torchrun() -> bool:
-    """True when this process is already a rank started by torchrun (or another env:// launcher)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+def under_launcher() -> bool:
+    """True when this process is already a rank of a launched job: started by torchrun (or another env://
+    launcher), srun or mpirun (comm/launch_env.py). A launch that cannot form one world raises LaunchError,
+    one line on the command line, instead of training alone ([Note: one job or a clear stop])."""
+    return read_launch_environment().distributed
+
+
+def default_out() -> str:
+    """`--out`'s default, a folder every rank of the job names alike: `runs/train-<id>` with torchrun's run id,
+    SLURM's job and step ids, or (one process) the time. Under mpirun, which exports no shared id, the ranks
+    cannot agree on a time: --out is required there."""
+    launch = read_launch_environment()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None and launch.launcher == "slurm" and os.environ.get("SLURM_JOB_ID"):
+        run_id = f"slurm{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    if run_id is None and launch.distributed:
+        raise UsageError(f"this rank was started by {launch.launcher} without an id its ranks share, so they cannot "
+                         f"agree on a default --out; pass --out DIR (a folder every node can see)")
+    return f"runs/train-{run_id or time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -127,14 +144,14 @@ def resolve_train_args(opts: dict) -> TrainArgs:
 
     gpus = visible_gpus()
     # default: one rank per GPU there is, 2 CPU ranks without one (device.default_nproc)
-    nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else pick("nproc", default_nproc(gpus))
+    nproc = read_launch_environment().world_size if under_launcher() else pick("nproc", default_nproc(gpus))
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
     tp = pick("tp", 1)
     if tp < 1 or nproc % tp:
         raise UsageError(f"--tp {tp} must be at least 1 and divide --nproc {nproc}; pick a divisor of {nproc}")
     validated.resolve_batch(nproc // tp)  # ConfigError when the batch keys disagree with the data-parallel size
-    if gpus and not under_torchrun() and nproc > gpus:
+    if gpus and not under_launcher() and nproc > gpus:
         raise UsageError(f"--nproc {nproc} is more than the {gpus} GPU(s); with CUDA each rank needs its own GPU")
     if validated.optimizer is not None:
         from ...optim.inner import OptimizerError, resolve_optimizer
@@ -181,8 +198,8 @@ def resolve_train_args(opts: dict) -> TrainArgs:
     elif saved:  # resuming a run folder: continue writing into it
         out = str(Path(opts["resume"]) if (Path(opts["resume"]) / "run.json").is_file()
                   else Path(opts["resume"]).parent)
-    else:  # under torchrun every rank must agree on the folder: use the shared run id
-        out = f"runs/train-{os.environ.get('TORCHELASTIC_RUN_ID') or time.strftime('%Y%m%d-%H%M%S')}"
+    else:
+        out = default_out()
     continuing = run_folder.restart_count() > 0 or (resume_dir is not None and Path(out).resolve() in
                                                     (resume_dir.resolve(), resume_dir.resolve().parent))
     try:

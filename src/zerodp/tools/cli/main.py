@@ -83,8 +83,10 @@ def _add_train(sub) -> None:
                     "draws loss.png and saves a checkpoint, all under --out."),
         epilog="Settings come from, in order of precedence: these options, the --config file, the run.json "
                "saved in a --resume folder, the defaults.\n\n"
-               "Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) nothing is launched and --nproc is ignored:\n"
-               "  torchrun --nproc_per_node 2 -m zerodp train --stage 2 --steps 100\n\n"
+               "Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set), srun or mpirun nothing is launched and --nproc is "
+               "ignored (docs/multinode.md):\n"
+               "  torchrun --nproc_per_node 2 -m zerodp train --stage 2 --steps 100\n"
+               "  srun --ntasks 4 python -m zerodp train --stage 2 --steps 100\n\n"
                "examples:\n"
                "  zerodp train                                  # the default job: stage 3, 2 ranks, ~5 min\n"
                "  zerodp train --stage 1 --model tiny --steps 50 --out runs/s1\n"
@@ -201,11 +203,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from ..app.train import launch
-    from ..app.train_args import resolve_train_args, under_torchrun
+    from ..app.train_args import resolve_train_args, under_launcher
     from .launch_report import failure_line, launcher_log
 
     args = resolve_train_args({k: getattr(ns, k) for k in TRAIN_OPTIONS})
-    if under_torchrun():
+    if under_launcher():
         launch(args)  # this process is a rank: torchrun reports failures itself
         return 0
     with launcher_log(Path(args.out)) as log_path:
