@@ -10,7 +10,7 @@ import zerodp
 import zerodp.adapters.vissl.vissl_engine
 from zerodp.config.vissl import load_vissl
 from tests.dist.common import make_model, micro_batch
-from tests.unit.test_config import VISSL_YAML
+from tests.unit.config.test_config import VISSL_YAML
 
 
 def train(engine, model, steps=4) -> list[torch.Tensor]:

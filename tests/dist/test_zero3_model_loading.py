@@ -79,7 +79,7 @@ def hf_zero3_from_pretrained_case(folder):
     saved_path = list(sys.meta_path)
     alias.install()
     # transformers' HfDeepSpeedConfig is accelerate's plus a version check of the `deepspeed` distribution
-    # (tests/unit/test_deepspeed_modules.py); this worker may have imported transformers before the alias,
+    # (tests/unit/adapters/test_deepspeed_modules.py); this worker may have imported transformers before the alias,
     # so the config is registered directly, as HfDeepSpeedConfig.__init__ does
     config = HfDeepSpeedConfig(dict(CFG, train_micro_batch_size_per_gpu=1))
     hf_deepspeed.set_hf_deepspeed_config(config)

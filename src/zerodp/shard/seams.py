@@ -7,7 +7,7 @@
     checkpoint ──reads──> CheckpointEngine: the engine's public members, its strategy's units and
                           its optimizer's CheckpointOptimizer members, nothing private
 
-Every implementation is checked against its Protocol on every change (tests/unit/test_seams.py: each
+Every implementation is checked against its Protocol on every change (tests/unit/shard/test_seams.py: each
 member present, each method's parameters the Protocol's), so a seam cannot drift silently.
 
 Calls run one way: the engine calls the strategy and the optimizer; neither calls the other or

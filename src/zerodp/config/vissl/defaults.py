@@ -1,7 +1,7 @@
 """VISSL's defaults for the keys zerodp reads, as VISSL's `vissl/config/defaults.yaml` sets them.
 
 A key absent from a user's VISSL file takes the value VISSL itself would use (momentum 0.9, weight
-decay 1e-4, LARC trust coefficient 1e-3, ...), never zero. tests/unit/test_config_vissl.py checks
+decay 1e-4, LARC trust coefficient 1e-3, ...), never zero. tests/unit/config/test_config_vissl.py checks
 every value here against the copy of defaults.yaml kept in tests/configs/vissl/.
 """
 

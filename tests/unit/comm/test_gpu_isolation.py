@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tests.gpu.one_rank import one_rank_group
 from zerodp import comm
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("before", [None, "0"])

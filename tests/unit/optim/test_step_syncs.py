@@ -112,7 +112,7 @@ def test_a_step_with_a_late_parameter_reads_one_device_value(stage, precision):
     """A step in which a parameter that missed the first one is stepped with its own count (optim/step_counts.py):
     which parameters are late is known from host lists, and its temporary optimizer's `step` is made from a Python
     int, as torch keeps it (a CPU tensor): still the one read of the norm's finiteness."""
-    from tests.unit.test_step_counts import Branch
+    from tests.unit.optim.test_step_counts import Branch
 
     cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}}
     if precision != "fp32":

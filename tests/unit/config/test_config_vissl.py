@@ -15,7 +15,7 @@ from zerodp.config.vissl import load_vissl, translate_vissl
 from zerodp.config.vissl.defaults import VISSL_DEFAULTS
 from zerodp.adapters.vissl.vissl_optimizer import vissl_lr_scheduler, vissl_optimizer, vissl_param_groups
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vissl"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vissl"
 SWAV, SIMCLR = CONFIGS / "swav_8node_resnet.yaml", CONFIGS / "simclr_8node_resnet.yaml"
 SEER = CONFIGS / "seer_regnet10B.yaml"
 FULLTUNE, FULLTUNE_10B = CONFIGS / "fulltune_in1k_resnet.yaml", CONFIGS / "fulltune_in1k_regnet10B.yaml"

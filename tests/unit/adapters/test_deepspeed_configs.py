@@ -15,11 +15,11 @@ import pytest
 
 from zerodp.config import ConfigError, load_config
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 FILES = sorted(CONFIG_DIR.glob("*.json"))
 
 # Features zerodp lacks, and the phrase its refusal must contain. (offload_param loads here and is
-# refused when the engine is built, by name: tests/unit/test_offload.py.)
+# refused when the engine is built, by name: tests/unit/offload/test_offload.py.)
 MISSING_FEATURES: dict[str, str] = {}
 
 

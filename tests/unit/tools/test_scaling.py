@@ -20,7 +20,7 @@ from zerodp.tools.plan.scaling.published import CHECKS
 from zerodp.tools.plan.scaling.report import regenerate
 from zerodp.tools.plan.scaling.workload import BENCH_GPT, LLAMA_7B, LLAMA_70B, Workload
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "scaling.md"
 
 
 def test_bench_gpt_shape_matches_the_benchmark():

@@ -17,7 +17,7 @@ import zerodp.adapters.vissl.vissl_engine
 from zerodp.config import ConfigError
 from zerodp.config.vissl import load_vissl
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "zerodp"
+SRC = Path(__file__).resolve().parents[3] / "src" / "zerodp"
 
 
 def _constructions_of(name: str) -> list[str]:

@@ -54,7 +54,7 @@ def test_contradictions_name_both_values():
         fill_auto({"zero_optimization": {"offload_param": {"device": "auto"}}}, ARGS, 2, MODEL)
 
 
-CONFIG_DIR = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+CONFIG_DIR = __import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 
 
 def _is_hf_template(path) -> bool:
