@@ -94,6 +94,12 @@ class ZeroEngine:
         self.param_names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
+        # the user's param groups by parameter name, frozen parameters included, read before zerodp rebuilds the
+        # optimizer: a DCP export lists them as torch's get_state_dict does (checkpoint/dcp.py); None: no torch
+        # optimizer was passed (the config builds one)
+        self.param_group_names: Optional[list[list[str]]] = None if not hasattr(optimizer, "param_groups") else \
+            [[self.param_names[id(p)][0] for p in g["params"] if id(p) in self.param_names]
+             for g in optimizer.param_groups]
         # where each state lives (masters, optimizer state, staging buffers), decided once: placement.py
         self.placement = placement_of(config, model_device(model))
         # the optimizer resolved and checked, the model made the same on every rank and cast, its parameters laid

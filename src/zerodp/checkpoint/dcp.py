@@ -181,9 +181,7 @@ def _rank0_entries(engine: CheckpointEngine, tensors: dict, aliases: dict, model
     for key, value in cs.model_states(engine).items():
         for name in [key] + aliases[key]:
             out[model_entry(model_key, name)] = value
-    for user, group in cs.inner_groups(engine):
-        params = [n for n, e in tensors.items() if e["kind"] == "param" and e["group"] == user and not e["alias_of"]]
-        hyper = {k: v for k, v in group.items() if k != "params"}
+    for user, params, hyper in _user_groups(engine, tensors):
         for k, v in hyper.items():
             out[f"{GROUPS_PREFIX}{user}.{k}"] = v
             for name in params:
@@ -196,6 +194,20 @@ def _rank0_entries(engine: CheckpointEngine, tensors: dict, aliases: dict, model
         buffer = io.BytesIO()
         torch.save(engine.lr_scheduler.state_dict(), buffer)
         out[SCHEDULE_KEY] = buffer.getvalue()
+    return out
+
+
+def _user_groups(engine: CheckpointEngine, tensors: dict) -> list[tuple[list[str], dict]]:
+    """(parameter names, hyper-parameters) of each of the user's optimizer groups, as torch's get_state_dict
+    lists them: with the frozen parameters the user put in a group where the engine knows them
+    (`param_group_names`, read from the optimizer passed in), the settings zerodp steps with (a schedule's
+    current lr)."""
+    names = getattr(engine, "param_group_names", None)
+    out = []
+    for user, group in cs.inner_groups(engine):
+        params = names[user] if names is not None and user < len(names) else \
+            [n for n, e in tensors.items() if e["kind"] == "param" and e["group"] == user and not e["alias_of"]]
+        out.append((user, params, {k: v for k, v in group.items() if k != "params"}))
     return out
 
 
