@@ -228,3 +228,71 @@ def test_fsdp2_loads_a_zerodp_checkpoint_at_another_world_size(dist_run, tmp_pat
     for rank, got in enumerate(results):
         assert_same_state(got["loaded"], saved, f"rank {rank} stage {stage}")
         assert_matches_reference(rank, got["losses"], got["params"], ref_losses, ref_params, f"stage {stage}")
+
+
+def refusals(work: str) -> dict:
+    """FSDP2 writes a model-only folder and one that lacks a parameter; zerodp's load_dcp refuses both, and a
+    folder that is not a DCP checkpoint, each with its fix; the model-only folder loads with load_optimizer=False."""
+    model, opt = fsdp2_model(seed=0)
+    fsdp2_train(model, opt, 0, 1)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd}, checkpoint_id=f"{work}/model_only")
+    dcp.save({"model": {k: v for k, v in msd.items() if k != "hidden.weight"}, "optimizer": osd},
+             checkpoint_id=f"{work}/no_hidden")
+    full = fsdp2_full_state(model, opt)["model"]
+    zmodel = make_model(1)
+    engine = zerodp.initialize(zmodel, make_optimizer("adamw", zmodel), config(2, dist.get_world_size()))
+    before = engine.full_state_dict(rank0_only=False)
+    messages = {}
+    for case in ("model_only", "no_hidden", "not_there"):
+        with pytest.raises(CheckpointError) as err:
+            engine.load_dcp(f"{work}/{case}")
+        messages[case] = str(err.value)
+    unchanged = engine.full_state_dict(rank0_only=False)
+    engine.load_dcp(f"{work}/model_only", load_optimizer=False)
+    out = {"messages": messages, "before": before, "unchanged": unchanged, "full": full,
+           "loaded": engine.full_state_dict(rank0_only=False)}
+    engine.close()
+    return out
+
+
+def test_a_folder_without_what_zerodp_needs_is_refused_with_the_fix(dist_run, tmp_path):
+    got = dist_run(2, refusals, str(tmp_path))[0]
+    messages = got["messages"]
+    assert "holds no optimizer state" in messages["model_only"] and "load_optimizer=False" in messages["model_only"]
+    assert "missing keys (1): model.hidden.weight" in messages["no_hidden"] and "model_key=" in messages["no_hidden"]
+    assert "is not a torch distributed checkpoint" in messages["not_there"]
+    for key, value in got["before"].items():  # a refused load changed nothing
+        assert torch.equal(got["unchanged"][key], value), key
+    for key, value in got["full"].items():  # the weights alone load exactly
+        assert torch.equal(got["loaded"][key], value), key
+
+
+def zerodp_schedule_round_trip(path: str, save: bool) -> dict:
+    """zerodp's own export carries its counters and lr schedule (WarmupLR) to zerodp at another world size."""
+    world = dist.get_world_size()
+    cfg = dict(config(3 if save else 1, world),
+               scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                         "warmup_num_steps": 10}})
+    model = make_model(0 if save else 1)
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), cfg)
+    if save:
+        train_steps(engine, BEFORE, ROWS // world)
+        engine.save_dcp(path)
+    else:
+        engine.load_dcp(path)
+    out = {"global_step": engine.global_step, "lr": engine.get_lr(), **zerodp_full_state(engine)}
+    losses = train_steps(engine, AFTER, ROWS // world, first_step=BEFORE)
+    out.update(losses=losses, params=engine.full_state_dict(rank0_only=False), lr_after=engine.get_lr())
+    engine.close()
+    return out
+
+
+def test_zerodp_export_carries_its_counters_and_lr_schedule(dist_run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = dist_run(2, zerodp_schedule_round_trip, path, True)[0]
+    got = dist_run(3, zerodp_schedule_round_trip, path, False)[0]
+    assert got["global_step"] == saved["global_step"] == BEFORE
+    assert got["lr"] == saved["lr"] and 0 < saved["lr"][0] < 0.01  # mid-warmup: the schedule's position came along
+    assert_same_state(got, saved, "zerodp -> zerodp")
+    assert got["lr_after"] != got["lr"]  # and it goes on stepping
