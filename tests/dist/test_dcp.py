@@ -27,6 +27,8 @@ from tests.dist.common import (assert_matches_reference, global_batch, make_mode
 ROWS = 12            # the global batch: 6 rows per rank at world 2, 4 at world 3
 BEFORE, AFTER = 3, 2  # steps before the checkpoint, steps after the resume
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SAVED_LRS = (0.02, 0.005)  # set before saving: the loading side must take the groups' lr from the folder
+TORCHTITAN_STEP = 10  # a train_state.step unlike the Adam steps, to see which one zerodp takes
 
 
 def config(stage: int, world: int) -> dict:
@@ -74,15 +76,18 @@ def fsdp2_full_state(model, opt) -> dict:
 def fsdp2_save(path: str, torchtitan: bool) -> dict:
     model, opt = fsdp2_model(seed=0)
     losses = fsdp2_train(model, opt, 0, BEFORE)
+    for group, lr in zip(opt.param_groups, SAVED_LRS):
+        group["lr"] = lr
     if torchtitan:  # torchtitan: the model's keys at the top level, the optimizer's flattened per parameter
         state = dict(get_model_state_dict(model))
         state["optimizer"] = get_optimizer_state_dict(model, opt,
                                                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+        state["train_state"] = {"step": torch.tensor(TORCHTITAN_STEP)}  # torchtitan's TrainState counter
     else:
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optimizer": osd}
     dcp.save(state, checkpoint_id=path)
-    return {"losses": losses, **fsdp2_full_state(model, opt)}
+    return {"losses": losses, "lrs": SAVED_LRS, **fsdp2_full_state(model, opt)}
 
 
 def fsdp2_resume(path: str, torchtitan: bool) -> dict:
@@ -124,8 +129,10 @@ def zerodp_save(path: str, stage: int, model_key: str) -> dict:
     model = make_model(0)
     engine = zerodp.initialize(model, make_optimizer("adamw", model), config(stage, dist.get_world_size()))
     losses = train_steps(engine, BEFORE, ROWS // dist.get_world_size())
+    for group, lr in zip(engine.optimizer.param_groups, SAVED_LRS):
+        group["lr"] = lr
     engine.save_dcp(path, model_key=model_key)
-    out = {"losses": losses, **zerodp_full_state(engine)}
+    out = {"losses": losses, "lrs": SAVED_LRS, **zerodp_full_state(engine)}
     engine.close()
     return out
 
@@ -150,6 +157,8 @@ def reference_from(state: dict) -> tuple[list[float], dict]:
     model = make_model(2)
     model.load_state_dict(state["model"])
     opt = make_optimizer("adamw", model)
+    for group, lr in zip(opt.param_groups, state.get("lrs", ())):
+        group["lr"] = lr
     for name, p in model.named_parameters():
         if name in state["state"]:
             saved = state["state"][name]
@@ -216,6 +225,7 @@ def test_zerodp_resumes_a_torchtitan_layout_checkpoint(dist_run, fsdp2_checkpoin
     results = dist_run(3, zerodp_resume, path, 2)
     ref_losses, ref_params = reference_from(saved)
     assert_same_state(results[0]["loaded"], saved, "torchtitan layout")
+    assert results[0]["loaded"]["global_step"] == TORCHTITAN_STEP  # train_state.step wins over the Adam step
     assert_matches_reference(0, results[0]["losses"], results[0]["params"], ref_losses, ref_params, "torchtitan")
 
 
@@ -223,6 +233,10 @@ def test_zerodp_resumes_a_torchtitan_layout_checkpoint(dist_run, fsdp2_checkpoin
 def test_fsdp2_loads_a_zerodp_checkpoint_at_another_world_size(dist_run, tmp_path, stage, torchtitan):
     path = str(tmp_path / "ckpt")
     saved = dist_run(2, zerodp_save, path, stage, "" if torchtitan else "model")[0]
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    files = {metadata.storage_data[index].relative_path for index in metadata.storage_data
+             if index.fqn == ("" if torchtitan else "model.") + "hidden.weight"}
+    assert len(files) == 2, files  # each rank wrote its own part of the parameter (no gather to rank 0)
     results = dist_run(3, fsdp2_resume, path, torchtitan)
     ref_losses, ref_params = reference_from(saved)
     for rank, got in enumerate(results):
