@@ -31,11 +31,18 @@ SAVED_LRS = (0.02, 0.005)  # set before saving: the loading side must take the g
 TORCHTITAN_STEP = 10  # a train_state.step unlike the Adam steps, to see which one zerodp takes
 
 
-def config(stage: int, world: int) -> dict:
+def config(stage: int, world: int, variant: str = "") -> dict:
     # small buckets and units: several per group, cut across parameters, so boxes start inside rows
-    return {"train_micro_batch_size_per_gpu": ROWS // world,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200,
-                                  "stage3_param_persistence_threshold": 20, "stage3_unit_min_params": 200}}
+    cfg = {"train_micro_batch_size_per_gpu": ROWS // world,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200,
+                                 "stage3_param_persistence_threshold": 20, "stage3_unit_min_params": 200}}
+    if variant == "offload":  # masters, moments (and at stage 3 the parameter shards) in host offload stores
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    if variant == "bf16":  # bf16 compute, fp32 masters: the masters are what is exported
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 # -- FSDP2 side -----------------------------------------------------------------------------------------
@@ -125,9 +132,9 @@ def zerodp_full_state(engine) -> dict:
     return {"model": model, "state": state, "global_step": engine.global_step}
 
 
-def zerodp_save(path: str, stage: int, model_key: str) -> dict:
+def zerodp_save(path: str, stage: int, model_key: str, variant: str = "") -> dict:
     model = make_model(0)
-    engine = zerodp.initialize(model, make_optimizer("adamw", model), config(stage, dist.get_world_size()))
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), config(stage, dist.get_world_size(), variant))
     losses = train_steps(engine, BEFORE, ROWS // dist.get_world_size())
     for group, lr in zip(engine.optimizer.param_groups, SAVED_LRS):
         group["lr"] = lr
@@ -137,9 +144,9 @@ def zerodp_save(path: str, stage: int, model_key: str) -> dict:
     return out
 
 
-def zerodp_resume(path: str, stage: int) -> dict:
+def zerodp_resume(path: str, stage: int, variant: str = "") -> dict:
     model = make_model(1)
-    engine = zerodp.initialize(model, make_optimizer("adamw", model), config(stage, dist.get_world_size()))
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), config(stage, dist.get_world_size(), variant))
     engine.load_dcp(path)
     loaded = zerodp_full_state(engine)
     losses = train_steps(engine, AFTER, ROWS // dist.get_world_size(), first_step=BEFORE)
@@ -209,10 +216,10 @@ def zerodp_run_fsdp2_save(path: str, torchtitan: bool) -> dict:
     return harness.run(2, fsdp2_save, path, torchtitan)[0]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zerodp_resumes_an_fsdp2_checkpoint_at_another_world_size(dist_run, fsdp2_checkpoints, stage):
+@pytest.mark.parametrize("stage,variant", [(1, ""), (2, ""), (3, ""), (3, "offload")])
+def test_zerodp_resumes_an_fsdp2_checkpoint_at_another_world_size(dist_run, fsdp2_checkpoints, stage, variant):
     path, saved = fsdp2_checkpoints[False]
-    results = dist_run(3, zerodp_resume, path, stage)
+    results = dist_run(3, zerodp_resume, path, stage, variant)
     ref_losses, ref_params = reference_from(saved)
     for rank, got in enumerate(results):
         assert_same_state(got["loaded"], saved, f"rank {rank} stage {stage}")
@@ -229,10 +236,11 @@ def test_zerodp_resumes_a_torchtitan_layout_checkpoint(dist_run, fsdp2_checkpoin
     assert_matches_reference(0, results[0]["losses"], results[0]["params"], ref_losses, ref_params, "torchtitan")
 
 
-@pytest.mark.parametrize("stage,torchtitan", [(1, False), (2, False), (3, False), (3, True)])
-def test_fsdp2_loads_a_zerodp_checkpoint_at_another_world_size(dist_run, tmp_path, stage, torchtitan):
+@pytest.mark.parametrize("stage,torchtitan,variant", [(1, False, ""), (2, False, ""), (3, False, ""), (3, True, ""),
+                                                      (2, False, "offload"), (3, False, "offload"), (2, False, "bf16")])
+def test_fsdp2_loads_a_zerodp_checkpoint_at_another_world_size(dist_run, tmp_path, stage, torchtitan, variant):
     path = str(tmp_path / "ckpt")
-    saved = dist_run(2, zerodp_save, path, stage, "" if torchtitan else "model")[0]
+    saved = dist_run(2, zerodp_save, path, stage, "" if torchtitan else "model", variant)[0]
     metadata = dcp.FileSystemReader(path).read_metadata()
     files = {metadata.storage_data[index].relative_path for index in metadata.storage_data
              if index.fqn == ("" if torchtitan else "model.") + "hidden.weight"}
