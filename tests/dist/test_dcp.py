@@ -28,7 +28,8 @@ ROWS = 12            # the global batch: 6 rows per rank at world 2, 4 at world 
 BEFORE, AFTER = 3, 2  # steps before the checkpoint, steps after the resume
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SAVED_LRS = (0.02, 0.005)  # set before saving: the loading side must take the groups' lr from the folder
-TORCHTITAN_STEP = 10  # a train_state.step unlike the Adam steps, to see which one zerodp takes
+TORCHTITAN_STEP = 10
+SCHEDULE_STEPS = 6  # zerodp -> zerodp: enough for a few skipped fp16 steps and some taken  # a train_state.step unlike the Adam steps, to see which one zerodp takes
 
 
 def config(stage: int, world: int, variant: str = "") -> dict:
@@ -295,16 +296,20 @@ def zerodp_schedule_round_trip(path: str, save: bool) -> dict:
     world = dist.get_world_size()
     cfg = dict(config(3 if save else 1, world),
                scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
-                                                         "warmup_num_steps": 10}})
+                                                         "warmup_num_steps": 10}},
+               # fp16 from a loss scale of 2^20: the first steps overflow and are skipped, so the skipped-step
+               # count and the dynamic loss scale are not their defaults when saved
+               fp16={"enabled": True, "initial_scale_power": 20})
     model = make_model(0 if save else 1)
     engine = zerodp.initialize(model, make_optimizer("adamw", model), cfg)
     if save:
-        train_steps(engine, BEFORE, ROWS // world)
+        train_steps(engine, SCHEDULE_STEPS, ROWS // world)
         engine.save_dcp(path)
     else:
         engine.load_dcp(path)
-    out = {"global_step": engine.global_step, "lr": engine.get_lr(), **zerodp_full_state(engine)}
-    losses = train_steps(engine, AFTER, ROWS // world, first_step=BEFORE)
+    out = {"global_step": engine.global_step, "lr": engine.get_lr(), "skipped": engine.skipped_steps,
+           "scaler": engine.scaler.state_dict(), **zerodp_full_state(engine)}
+    losses = train_steps(engine, AFTER, ROWS // world, first_step=SCHEDULE_STEPS)
     out.update(losses=losses, params=engine.full_state_dict(rank0_only=False), lr_after=engine.get_lr())
     engine.close()
     return out
@@ -314,7 +319,8 @@ def test_zerodp_export_carries_its_counters_and_lr_schedule(dist_run, tmp_path):
     path = str(tmp_path / "ckpt")
     saved = dist_run(2, zerodp_schedule_round_trip, path, True)[0]
     got = dist_run(3, zerodp_schedule_round_trip, path, False)[0]
-    assert got["global_step"] == saved["global_step"] == BEFORE
-    assert got["lr"] == saved["lr"] and 0 < saved["lr"][0] < 0.01  # mid-warmup: the schedule's position came along
+    assert got["global_step"] == saved["global_step"] == SCHEDULE_STEPS, (got["global_step"], saved["global_step"])
+    assert got["skipped"] == saved["skipped"] > 0 and got["scaler"] == saved["scaler"], (saved["skipped"], saved["scaler"])
+    assert got["lr"] == saved["lr"] and 0 < saved["lr"][0] < 0.01, saved["lr"]  # mid-warmup: the schedule's position came along
     assert_same_state(got, saved, "zerodp -> zerodp")
     assert got["lr_after"] != got["lr"]  # and it goes on stepping
