@@ -197,8 +197,8 @@ def _rank0_entries(engine: CheckpointEngine, tensors: dict, aliases: dict, model
     return out
 
 
-def _user_groups(engine: CheckpointEngine, tensors: dict) -> list[tuple[list[str], dict]]:
-    """(parameter names, hyper-parameters) of each of the user's optimizer groups, as torch's get_state_dict
+def _user_groups(engine: CheckpointEngine, tensors: dict) -> list[tuple[int, list[str], dict]]:
+    """(user group index, parameter names, hyper-parameters) of each group zerodp steps, as torch's get_state_dict
     lists them: with the frozen parameters the user put in a group where the engine knows them
     (`param_group_names`, read from the optimizer passed in), the settings zerodp steps with (a schedule's
     current lr)."""
