@@ -28,8 +28,8 @@ ROWS = 12            # the global batch: 6 rows per rank at world 2, 4 at world 
 BEFORE, AFTER = 3, 2  # steps before the checkpoint, steps after the resume
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SAVED_LRS = (0.02, 0.005)  # set before saving: the loading side must take the groups' lr from the folder
-TORCHTITAN_STEP = 10
-SCHEDULE_STEPS = 6  # zerodp -> zerodp: enough for a few skipped fp16 steps and some taken  # a train_state.step unlike the Adam steps, to see which one zerodp takes
+TORCHTITAN_STEP = 10  # a train_state.step unlike the Adam steps, to see which one zerodp takes
+SCHEDULE_STEPS = 6  # zerodp -> zerodp: enough for a few skipped fp16 steps and some taken
 
 
 def config(stage: int, world: int, variant: str = "") -> dict:
@@ -320,7 +320,8 @@ def test_zerodp_export_carries_its_counters_and_lr_schedule(dist_run, tmp_path):
     saved = dist_run(2, zerodp_schedule_round_trip, path, True)[0]
     got = dist_run(3, zerodp_schedule_round_trip, path, False)[0]
     assert got["global_step"] == saved["global_step"] == SCHEDULE_STEPS, (got["global_step"], saved["global_step"])
-    assert got["skipped"] == saved["skipped"] > 0 and got["scaler"] == saved["scaler"], (saved["skipped"], saved["scaler"])
-    assert got["lr"] == saved["lr"] and 0 < saved["lr"][0] < 0.01, saved["lr"]  # mid-warmup: the schedule's position came along
+    assert got["skipped"] == saved["skipped"] > 0, saved["skipped"]
+    assert got["scaler"] == saved["scaler"], (got["scaler"], saved["scaler"])
+    assert got["lr"] == saved["lr"] and 0 < saved["lr"][0] < 0.01, saved["lr"]  # mid-warmup: the position came along
     assert_same_state(got, saved, "zerodp -> zerodp")
     assert got["lr_after"] != got["lr"]  # and it goes on stepping

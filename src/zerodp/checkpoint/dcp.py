@@ -171,7 +171,8 @@ def _unit_values(engine: CheckpointEngine, unit, master, specs: dict[int, StateS
         scalars = {}
         for key, template in spec.scalars.items():
             saved = state.get(key)
-            scalars[key] = (template, float(saved) if saved is not None else (0.0 if key == "step" else float(template)))
+            unset = 0.0 if key == "step" else float(template)
+            scalars[key] = (template, float(saved) if saved is not None else unset)
     return values, scalars
 
 
@@ -357,7 +358,8 @@ def _plan_load(engine: CheckpointEngine, path: Path, load_optimizer: bool, model
                     if kind is not None and name not in stepped:
                         continue  # never stepped: its moments stay zero, as torch's would
                     key = model_entry(model_key, name) if kind is None else state_entry(name, kind)
-                    boxes.setdefault(key, []).append(BoxTensor(box.offsets, flat[lo:lo + box.hi - box.lo].view(box.sizes)))
+                    view = flat[lo:lo + box.hi - box.lo].view(box.sizes)
+                    boxes.setdefault(key, []).append(BoxTensor(box.offsets, view))
         units.append(_UnitRead(unit, master, values, unit_names))
 
     plain: dict[str, Any] = {}
