@@ -48,7 +48,7 @@ def worker(mode: str, out: str) -> None:
     import zerodp
     from zerodp import comm
     from bench.harness.models import BENCH_MODELS, synthetic_tokens
-    from zerodp.models.gpt import GPT, lm_loss
+    from zerodp.tools.models.gpt import GPT, lm_loss
 
     comm.init_distributed()
     rank = dist.get_rank()

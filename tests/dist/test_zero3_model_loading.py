@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp.errors import PartitionedParameterError
-from zerodp.stage3 import PartitionedParameter
+from zerodp.shard.stage3 import PartitionedParameter
 
 CFG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
@@ -63,7 +63,7 @@ def hf_zero3_from_pretrained_case(folder):
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    from zerodp.deepspeed import alias
+    from zerodp.adapters.deepspeed import alias
 
     rank = dist.get_rank()
     path = f"{folder}/tiny_opt"

@@ -269,7 +269,7 @@ def test_contiguous_buffers_grow_and_come_back_from_dropped_graphs():
 
 
 def test_deepspeed_helpers_and_module_path():
-    from zerodp.deepspeed.runtime.activation_checkpointing import checkpointing as runtime_path
+    from zerodp.adapters.deepspeed.runtime.activation_checkpointing import checkpointing as runtime_path
 
     assert runtime_path.configure is deepspeed.checkpointing.configure
     deepspeed.checkpointing.configure(_MPU(), contiguous_checkpointing=True)

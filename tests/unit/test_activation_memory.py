@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import zerodp
-from zerodp import cli
+from zerodp.tools import cli
 from zerodp.activations import DEVICE, HOST, Checkpointer
-from zerodp.app.report import render_summary
-from zerodp.app.train_args import resolve_train_args
+from zerodp.tools.app.report import render_summary
+from zerodp.tools.app.train_args import resolve_train_args
 from zerodp.config.activation_checkpointing import ActivationCheckpointingConfig as Settings
-from zerodp.plan.activation_memory import activation_memory, activation_rows
-from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
+from zerodp.tools.plan.activation_memory import activation_memory, activation_rows
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS, lm_loss
 
 TINY = MODEL_PRESETS["tiny"]
 
@@ -84,7 +84,7 @@ def test_tensor_parallel_rows_split_the_block_interiors():
 def test_train_checkpoints_the_blocks_and_reports_the_kept_bytes(tmp_path):
     """One rank in process, 2 steps: the blocks run through the checkpointer (its kept bytes are measured, not
     zero) and equal the formula; the summary's activation figures come from this run."""
-    from zerodp.app.train import run_worker
+    from zerodp.tools.app.train import run_worker
 
     args = resolve_train_args({"checkpoint_activations": True, "out": str(tmp_path / "run"), "model": "tiny",
                                "nproc": 1, "steps": 2, "save_every": 0, "micro_batch": 2, "seq_len": 16})

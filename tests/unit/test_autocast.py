@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from torch import nn
 
 import zerodp
-from zerodp.autocast import AutocastPolicy, resolve_module_classes
+from zerodp.precision.autocast import AutocastPolicy, resolve_module_classes
 from zerodp.config import ZeroConfig
 
 BASE = {"train_micro_batch_size_per_gpu": 1}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from zerodp.vissl import translate_vissl
+from zerodp.config.vissl import translate_vissl
 from zerodp.config import ConfigError, ZeroConfig, load_config, reference_markdown
 
 DEEPSPEED_CONFIG = {
@@ -107,7 +107,7 @@ MODEL:
 def test_vissl_dialect(tmp_path):
     path = tmp_path / "vissl.yaml"
     path.write_text(VISSL_YAML)
-    with pytest.raises(ConfigError, match=r"VISSL's dialect.*zerodp.integrations.vissl.initialize"):
+    with pytest.raises(ConfigError, match=r"VISSL's dialect.*zerodp.adapters.vissl.vissl_engine.initialize"):
         load_config(path)  # the adapter translates VISSL; zerodp's own config refuses it with the fix
     cfg = load_config(translate_vissl(path))
     assert cfg.stage == 2  # USE_SDP

@@ -11,9 +11,9 @@ from torch import nn
 
 import zerodp
 from zerodp.config import ConfigError, load_config
-from zerodp.vissl import load_vissl, translate_vissl
-from zerodp.vissl.defaults import VISSL_DEFAULTS
-from zerodp.integrations.vissl_optimizer import vissl_lr_scheduler, vissl_optimizer, vissl_param_groups
+from zerodp.config.vissl import load_vissl, translate_vissl
+from zerodp.config.vissl.defaults import VISSL_DEFAULTS
+from zerodp.adapters.vissl.vissl_optimizer import vissl_lr_scheduler, vissl_optimizer, vissl_param_groups
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vissl"
 SWAV, SIMCLR = CONFIGS / "swav_8node_resnet.yaml", CONFIGS / "simclr_8node_resnet.yaml"
@@ -189,7 +189,7 @@ def test_errors_name_the_key_and_fix(tmp_path):
 
 
 def test_former_module_path_still_imports():
-    """`zerodp.config_vissl` (the dialect's path before it became the `zerodp.vissl` package) still works."""
+    """`zerodp.config_vissl` (the dialect's path before it became the `zerodp.config.vissl` package) still works."""
     import zerodp.config_vissl
 
     assert zerodp.config_vissl.load_vissl is load_vissl

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -43,6 +44,7 @@ print(json.dumps({"before": before, "peak": status("VmHWM")}))
 """
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_export_peak_rss_is_one_piece_not_the_model(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(16384, 1024), *[nn.Linear(1024, 1024, bias=False) for _ in range(16)])

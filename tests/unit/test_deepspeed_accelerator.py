@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from zerodp.deepspeed import accelerator as acc_mod
+from zerodp.adapters.deepspeed import accelerator as acc_mod
 from zerodp.deepspeed.accelerator import Accelerator, get_accelerator
 
 

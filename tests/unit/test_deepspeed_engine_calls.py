@@ -1,4 +1,4 @@
-"""DeepSpeed engine calls the collected scripts make beyond the training loop (zerodp/deepspeed/engine.py):
+"""DeepSpeed engine calls the collected scripts make beyond the training loop (zerodp/adapters/deepspeed/engine.py):
 `engine.compile()` (DeepSpeed's tests/torch_compile), `offload_states` / `reload_states` / `destroy`
 (DeepSpeedExamples' training/offload_states) with `deepspeed.runtime.zero.offload_config`'s enums, and which
 inputs the adapter casts (DeepSpeed: only fp16 with auto_cast). The adapter engine wraps a stand-in for

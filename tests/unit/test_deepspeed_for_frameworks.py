@@ -1,4 +1,4 @@
-"""What frameworks call on DeepSpeed beyond a training script (zerodp/deepspeed): the optimizer
+"""What frameworks call on DeepSpeed beyond a training script (zerodp/adapters/deepspeed): the optimizer
 `initialize` returns (`zero_grad`, `state`, `param_groups`, `state_dict`, as PyTorch Lightning uses them),
 a settable `engine.lr_scheduler`, the DeepSpeed-named files of a checkpoint that Lightning's
 `convert_zero_checkpoint_to_fp32_state_dict` opens, and `deepspeed.launcher.runner` (accelerate launch).
@@ -72,7 +72,7 @@ def test_deepspeed_named_checkpoint_files_carry_the_stage_and_the_client_state(t
 
 
 def test_launcher_runner_has_what_accelerate_reads_and_refuses_deepspeeds_command(monkeypatch):
-    from zerodp.deepspeed.launcher import runner
+    from zerodp.adapters.deepspeed.launcher import runner
 
     assert runner.DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"  # DS_ENV_FILE unset here
     with pytest.raises(SystemExit, match="does not provide DeepSpeed's `deepspeed` launcher command"):

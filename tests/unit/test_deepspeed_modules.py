@@ -1,4 +1,4 @@
-"""The `deepspeed.*` modules real scripts import, beyond `initialize` (zerodp/deepspeed/): each works as in
+"""The `deepspeed.*` modules real scripts import, beyond `initialize` (zerodp/adapters/deepspeed/): each works as in
 DeepSpeed or refuses with one line when called; the alias makes `import deepspeed.X` resolve to them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from zerodp.deepspeed.moe.utils import split_params_into_different_moe_groups_fo
 from zerodp.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from zerodp.deepspeed.runtime.utils import set_random_seed
 from zerodp.deepspeed.utils import RepeatingLoader, log_dist, set_z3_leaf_modules
-from zerodp.optim.fused_adam import FusedAdam as ZerodpFusedAdam
+from zerodp.optimizers.fused_adam import FusedAdam as ZerodpFusedAdam
 
 
 def test_moe_split_returns_dense_groups_unchanged():
@@ -109,7 +109,7 @@ def test_nccl_built_without_a_gpu_chooses_gloo(monkeypatch, gpu):
 @pytest.fixture
 def alias():
     """Install the alias, then restore sys.modules and sys.meta_path."""
-    from zerodp.deepspeed import alias as alias_mod
+    from zerodp.adapters.deepspeed import alias as alias_mod
 
     saved_modules = {k: v for k, v in sys.modules.items() if k == "deepspeed" or k.startswith("deepspeed.")}
     saved_path = list(sys.meta_path)
@@ -165,12 +165,12 @@ def test_run_executes_an_unchanged_script_with_the_alias(alias, tmp_path, monkey
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    from zerodp.deepspeed import accelerator as acc_mod
+    from zerodp.adapters.deepspeed import accelerator as acc_mod
     from zerodp.deepspeed.run import main
 
     monkeypatch.setattr(acc_mod, "_ACCELERATOR", None)
     main([str(script), "--stage", "2"])
-    assert out.read_text() == "zerodp.deepspeed cpu 0 --stage 2"
+    assert out.read_text() == "zerodp.adapters.deepspeed cpu 0 --stage 2"  # the module zerodp.deepspeed names (zerodp/adapters/__init__.py)
     with pytest.raises(SystemExit, match="usage"):
         main([])
 
@@ -221,7 +221,7 @@ def test_plain_import_presents_no_deepspeed_distribution():
     import importlib.util
 
     import zerodp.deepspeed  # noqa: F401
-    from zerodp.deepspeed import alias as alias_mod
+    from zerodp.adapters.deepspeed import alias as alias_mod
 
     assert not any(isinstance(f, alias_mod._AliasDistributionFinder) for f in sys.meta_path)
     if importlib.util.find_spec("deepspeed") is None:  # no real DeepSpeed installed here
@@ -230,7 +230,7 @@ def test_plain_import_presents_no_deepspeed_distribution():
 
 
 def test_constructor_wrapper_names_exist_for_transformers_but_wrap_nothing(alias):
-    from zerodp.deepspeed.runtime.zero import partition_parameters as pp
+    from zerodp.adapters.deepspeed.runtime.zero import partition_parameters as pp
 
     assert pp._orig_torch_arange is torch.arange
     with pytest.raises(NotImplementedError, match="does not wrap torch's tensor constructors"):
@@ -251,3 +251,22 @@ def test_gathered_parameters_skips_none_entries_as_deepspeed_does():
     assert ctx.params == [lin.weight]
     with ctx:
         assert lin.weight.sum().isfinite()
+
+
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
+def test_zerodp_deepspeed_is_the_adapter_under_its_public_name():
+    """`zerodp.deepspeed[.X]` are the very modules of `zerodp.adapters.deepspeed[.X]` (zerodp/adapters/__init__.py):
+    one class per name whichever path imported it, and `python -m zerodp.deepspeed.run` still runs."""
+    import importlib
+    import subprocess
+
+    import zerodp.adapters.deepspeed.engine as real_engine
+    import zerodp.deepspeed as public
+    import zerodp.deepspeed.engine as public_engine
+    from zerodp.deepspeed.runtime.zero import partition_parameters
+
+    assert public is importlib.import_module("zerodp.adapters.deepspeed")
+    assert public_engine is real_engine and public_engine.DeepSpeedEngine is real_engine.DeepSpeedEngine
+    assert partition_parameters is importlib.import_module("zerodp.adapters.deepspeed.runtime.zero.partition_parameters")
+    done = subprocess.run([sys.executable, "-m", "zerodp.deepspeed.run", "--help"], capture_output=True, text=True)
+    assert "usage: python -m zerodp.deepspeed.run" in done.stderr, done.stderr  # its usage line: the module ran

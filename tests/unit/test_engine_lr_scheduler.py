@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import zerodp
 from zerodp.checkpoint.save_load import LR_SCHEDULER_FILE
 from zerodp.config import ConfigError
-from zerodp.optim.client_schedule import ClientSchedule
+from zerodp.optimizers.client_schedule import ClientSchedule
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
 

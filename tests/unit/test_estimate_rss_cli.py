@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from zerodp import cli
+from zerodp.tools import cli
 
 
 def run_main(capsys, *argv) -> tuple[int, str, str]:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from zerodp.app.corpus import ByteCorpus
-from zerodp.models.gpt import GPT, MODEL_PRESETS, GPTConfig, lm_loss
+from zerodp.tools.app.corpus import ByteCorpus
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS, GPTConfig, lm_loss
 
 
 @pytest.fixture(scope="module")

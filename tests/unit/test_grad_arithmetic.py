@@ -12,10 +12,10 @@ from torch import nn
 
 from zerodp import comm
 from zerodp.config import ConfigError, load_config
-from zerodp.grads.grad_arithmetic import GradArithmetic
-from zerodp.grads.grad_shard import GradShard
-from zerodp.flat.layout import FlatLayout
-from zerodp.precision import PrecisionPolicy
+from zerodp.shard.grads.grad_arithmetic import GradArithmetic
+from zerodp.shard.grads.grad_shard import GradShard
+from zerodp.shard.flat.layout import FlatLayout
+from zerodp.precision.policy import PrecisionPolicy
 
 # -- config -------------------------------------------------------------------------------------
 

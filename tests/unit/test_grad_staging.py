@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import zerodp
-import zerodp.engine as engine_module
+import zerodp.engine.zero_engine as engine_module
 from tests.dist.common import global_batch, make_model, make_optimizer
-from zerodp.placement import HOST, Home
+from zerodp.offload.placement import HOST, Home
 
 STEPS, GAS = 3, 2
 

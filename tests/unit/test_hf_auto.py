@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from zerodp.config import ConfigError, load_config
-from zerodp.integrations.hf_auto import fill_auto
+from zerodp.adapters.hf.auto_values import fill_auto
 
 ARGS = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5, fp16=False,
                        bf16=True, learning_rate=2e-4, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-6,
@@ -80,7 +80,7 @@ def test_every_hf_template_in_the_collection_is_filled_and_loads(path):
     """Issue 20: the HF Trainer's own templates (every value "auto", scheduler sections included) are filled the
     way the HF integration fills them and load; none is refused for an "auto" ZeroTrainer could not fill."""
     from zerodp.config import ConfigError, load_config
-    from zerodp.integrations.hf_auto import read_zero_config
+    from zerodp.adapters.hf.auto_values import read_zero_config
 
     # TrainingArguments' defaults for betas and eps: templates that hard-code them (InternVL's) use those values, and
     # HF refuses a mismatch as zerodp does (test_contradictions_name_both_values)

@@ -15,8 +15,8 @@ import zerodp
 from tests.dist.common import make_model, make_optimizer, micro_batch
 from zerodp import CheckpointError
 from zerodp.checkpoint.hf_export import ExportedTensor, export_hf, parse_size, plan_shards
-from zerodp.cli.main import main as zerodp_main
-from zerodp.models.gpt import GPT, GPTConfig
+from zerodp.tools.cli.main import main as zerodp_main
+from zerodp.tools.models.gpt import GPT, GPTConfig
 
 
 @pytest.fixture

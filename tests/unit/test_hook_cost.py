@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import zerodp
-from zerodp import placement
-from zerodp.models.gpt import GPT, GPTConfig
+from zerodp.offload import placement
+from zerodp.tools.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=6, n_head=2, n_embd=16)
 PER_UNIT_OPS = 10  # a reduction's launch at world 1: slices of its buffer, a dtype conversion, an add

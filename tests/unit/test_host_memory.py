@@ -12,6 +12,7 @@ import pytest
 from zerodp import host_memory
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_import_zerodp_runs_no_library_lookup():
     """ctypes.util.find_library runs a subprocess (ldconfig, gcc); zerodp must not run it at import. torch is
     imported first: PyPI's CUDA build of torch looks up libdl itself at import (cuda.pathfinder), which is
@@ -20,7 +21,7 @@ def test_import_zerodp_runs_no_library_lookup():
              "calls = []\n"
              "real = ctypes.util.find_library\n"
              "ctypes.util.find_library = lambda name: calls.append(name) or real(name)\n"
-             "import zerodp, zerodp.engine, zerodp.offload.tier, zerodp.offload.store\n"
+             "import zerodp, zerodp.engine.zero_engine, zerodp.offload.tier, zerodp.offload.store\n"
              "print(calls)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerodp.flat.buffer import FlatBuffer, alloc_storage, free_storage
-from zerodp.flat.layout import FlatLayout
+from zerodp.host_memory import alloc_storage, free_storage
+from zerodp.shard.flat.buffer import FlatBuffer
+from zerodp.shard.flat.layout import FlatLayout
 from zerodp.host_memory import HUGE_PAGE_BYTES, MIN_ADVISED_BYTES, advise_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

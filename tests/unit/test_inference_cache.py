@@ -10,7 +10,7 @@ from torch import nn
 
 import zerodp
 from zerodp import comm
-from zerodp.stage3.inference_cache import Residency
+from zerodp.shard.stage3.inference_cache import Residency
 
 WIDTH = 8
 UNIT_NUMEL = WIDTH * WIDTH + WIDTH  # one Linear: weight and bias in one flat unit

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zerodp.optim.lr_schedules import LRScheduleError, build_lr_scheduler
+from zerodp.optimizers.lr_schedules import LRScheduleError, build_lr_scheduler
 
 
 def _opt(lr=0.1, cls=torch.optim.AdamW, groups=1):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
-from zerodp.plan import (
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS, lm_loss
+from zerodp.tools.plan import (
     ModelStateBytes,
     estimate_activation_bytes,
     estimate_model_numel,

@@ -1,5 +1,5 @@
 """A model built on the CPU is moved to its rank's GPU under NCCL, by `zerodp.initialize`, the DeepSpeed
-adapter and `init_context` (issue 31 item 6; zerodp/module_device.py), decided as data and checked on CPU:
+adapter and `init_context` (issue 31 item 6; zerodp/comm/module_device.py), decided as data and checked on CPU:
 device values for the decision, the meta device standing in for a GPU for the move."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 import zerodp
-import zerodp.engine as engine_mod
-from zerodp import comm, module_device
+import zerodp.engine.zero_engine as engine_mod
+from zerodp import comm
+from zerodp.comm import module_device
 from zerodp.config import load_config
-from zerodp.deepspeed import forward_engine
-init_context_mod = importlib.import_module("zerodp.stage3.init_context")  # the module, not the function
+from zerodp.adapters.deepspeed import forward_engine
+init_context_mod = importlib.import_module("zerodp.shard.stage3.init_context")  # the module, not the function
 
 
 def test_the_rule_as_data():

@@ -76,6 +76,7 @@ def test_nvme_path_checks(tmp_path):
     check_nvme_path(str(tmp_path), key, 1024)
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_rank_dir_life_cycle_and_leftovers(tmp_path):
     d = RankDir(str(tmp_path), "abc", 1)
     assert d.path == tmp_path / "zerodp-abc" / "rank1" and d.path.is_dir()

@@ -107,7 +107,7 @@ def test_deepspeed_zero_init_remote_device_must_match_the_config(tmp_path):
 
 
 def test_estimate_with_parameter_offload_moves_the_shard_to_disk_and_the_cache_to_host():
-    from zerodp.plan.offload_estimate import predict_param_offload_bytes, render_offload_estimate
+    from zerodp.tools.plan.offload_estimate import predict_param_offload_bytes, render_offload_estimate
 
     # fp32 Adam, 3e9 parameters on 2 ranks: the 4-byte shard (also the master) goes to disk; the host
     # keeps max_in_cpu elements of it plus buffer_count optimizer windows; in fp32 the gradient shard

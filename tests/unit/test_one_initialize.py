@@ -13,9 +13,9 @@ from torch import nn
 
 import zerodp
 import zerodp.deepspeed as deepspeed
-import zerodp.integrations.vissl
+import zerodp.adapters.vissl.vissl_engine
 from zerodp.config import ConfigError
-from zerodp.vissl import load_vissl
+from zerodp.config.vissl import load_vissl
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "zerodp"
 
@@ -39,11 +39,11 @@ def _constructions_of(name: str) -> list[str]:
 
 
 def test_only_zerodp_initialize_constructs_an_engine():
-    assert _constructions_of("ZeroEngine") == ["engine.py:initialize"]
+    assert _constructions_of("ZeroEngine") == ["engine/zero_engine.py:initialize"]
 
 
 def test_the_checker_finds_a_construction():
-    assert _constructions_of("DeepSpeedEngine") == ["deepspeed/__init__.py:initialize"]
+    assert _constructions_of("DeepSpeedEngine") == ["adapters/deepspeed/__init__.py:initialize"]
 
 
 def _model() -> nn.Module:
@@ -80,7 +80,7 @@ def test_deepspeed_refuses_dist_init_required_false_without_a_group_under_torchr
 def test_vissl_initialize_is_zerodp_initialize_plus_the_schedule():
     spec = {"OPTIMIZER": {"name": "sgd", "num_epochs": 2, "param_schedulers": {"lr": {
         "name": "linear", "start_value": 0.4, "end_value": 0.0, "update_interval": "step"}}}}
-    engine, schedule = zerodp.integrations.vissl.initialize(load_vissl(spec, quiet=True), _model(), steps_per_epoch=2)
+    engine, schedule = zerodp.adapters.vissl.vissl_engine.initialize(load_vissl(spec, quiet=True), _model(), steps_per_epoch=2)
     assert type(engine) is zerodp.ZeroEngine
     assert schedule.param_groups == list(engine.optimizer.param_groups)  # it steps the engine's optimizer
     assert [schedule.lr_at(s) for s in range(4)] == pytest.approx([0.4, 0.3, 0.2, 0.1])

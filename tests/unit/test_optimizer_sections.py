@@ -11,7 +11,7 @@ from tests.dist.whole_tensor_common import MuonFP32, is_muon_param, make_gpt, re
 from zerodp.config import load_config
 from zerodp.errors import OptimizerError
 from zerodp.optim.inner import resolve_optimizer
-from zerodp.optim.optimizer_list import OptimizerList
+from zerodp.optimizers.optimizer_list import OptimizerList
 
 MUON = {"type": "Muon", "select": "matrices", "params": {"lr": 0.02}}
 ADAMW = {"type": "AdamW", "select": "rest", "params": {"lr": 1e-3, "weight_decay": 0.01}}  # DeepSpeed: 0 by default
@@ -62,7 +62,7 @@ def test_sections_from_json_train_bitwise_like_the_same_optimizers_passed_as_a_l
     """World size 1: the config's list builds what zerodp.initialize(model, [AdamW, MuonFP32]) gets, in
     that order, and trains bitwise alike (parity with plain PyTorch on several ranks is in
     tests/dist/test_optimizer_sections.py). MuonFP32 is named by the type its registration gives it."""
-    from zerodp.models.gpt import lm_loss
+    from zerodp.tools.models.gpt import lm_loss
 
     register()
     muon = {"type": "MuonFP32", "select": "matrices", "params": {"lr": 0.02, "ns_coefficients": [1.5, -0.5, 0.0]}}

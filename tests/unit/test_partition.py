@@ -3,7 +3,7 @@
 import pytest
 
 from zerodp.comm import chunk_ranges
-from zerodp.flat.layout import FlatLayout
+from zerodp.shard.flat.layout import FlatLayout
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from zerodp.config import load_config
-from zerodp.plan import baseline as baseline_mod
-from zerodp.plan.fit import fit_memory, zero_section
-from zerodp.plan.model_shape import module_shape, run_shape_of, uniform_shape
-from zerodp.plan.peak_rss import (HEAP_RETENTION_ACTIVATIONS, HEAP_RETENTION_STATES, REDUCTIONS_IN_FLIGHT,
+from zerodp.tools.plan import baseline as baseline_mod
+from zerodp.tools.plan.fit import fit_memory, zero_section
+from zerodp.tools.plan.model_shape import module_shape, run_shape_of, uniform_shape
+from zerodp.tools.plan.peak_rss import (HEAP_RETENTION_ACTIVATIONS, HEAP_RETENTION_STATES, REDUCTIONS_IN_FLIGHT,
                                     ModelShape, RunShape, predict_peak_rss)
 
 MiB = 2**20

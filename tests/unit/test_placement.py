@@ -1,4 +1,4 @@
-"""Where each state lives (`zerodp.placement`), answered for a model on `cuda:0` on a machine without a GPU
+"""Where each state lives (`zerodp.offload.placement`), answered for a model on `cuda:0` on a machine without a GPU
 (a device is a value), for every offload mode, stage and precision; and the step plan's device decisions
 (issue 31: ZeRO-Offload crashed at its first CUDA step because states were on the CPU and masters on the GPU)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerodp.config import load_config
-from zerodp.placement import HOST, Home, placement_of
+from zerodp.offload.placement import HOST, Home, placement_of
 
 CUDA = torch.device("cuda", 0)
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -124,7 +124,7 @@ def _train(cfg: dict, placement_override=None, steps: int = 3):
     import torch.nn.functional as F
 
     import zerodp
-    import zerodp.engine as engine_module
+    import zerodp.engine.zero_engine as engine_module
     from tests.dist.common import global_batch, make_model, make_optimizer
 
     original = engine_module.placement_of

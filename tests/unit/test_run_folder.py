@@ -9,8 +9,8 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from zerodp.app import run_folder
-from zerodp.cli.launch_report import failure_line
+from zerodp.tools.app import run_folder
+from zerodp.tools.cli.launch_report import failure_line
 
 
 def test_a_folder_holding_a_run_is_refused_unless_continued_or_overwritten(tmp_path):

@@ -1,4 +1,4 @@
-"""The Runtime (zerodp/runtime.py): process-wide settings are taken by each engine's lease, the newest in
+"""The Runtime (zerodp/engine/runtime.py): process-wide settings are taken by each engine's lease, the newest in
 force, given back in any order, and the last lease out restores the process. No process group: the group's
 ownership is stood in for by monkeypatching `comm.owns_default_group` / `comm.destroy_distributed`."""
 
@@ -11,7 +11,7 @@ import pytest
 from zerodp import comm, host_memory
 from zerodp.comm import group, watchdog
 from zerodp.config import load_config
-from zerodp.runtime import Runtime
+from zerodp.engine.runtime import Runtime
 
 
 def _config(timeout_s: float, debug_sync: bool = False):

@@ -1,4 +1,4 @@
-"""The scale model (zerodp.plan.scaling): calibration against zerodp's measured steps, the byte formulas
+"""The scale model (zerodp.tools.plan.scaling): calibration against zerodp's measured steps, the byte formulas
 of each mode, the overlap rule, the published checks, docs/scaling.md and `zerodp estimate --cluster`.
 Pure arithmetic: milliseconds."""
 
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from zerodp.cli.main import main
-from zerodp.plan.scaling.calibration import BENCH_WORKLOAD, MEASURED, calibration_rows
-from zerodp.plan.scaling.cluster import H100_8X400G, LOCAL_GLOO
-from zerodp.plan.scaling.plan import Group, Kind, Layout, Phase, Transfer, plan
-from zerodp.plan.scaling.predictor import predict
-from zerodp.plan.scaling.published import CHECKS
-from zerodp.plan.scaling.report import regenerate
-from zerodp.plan.scaling.workload import BENCH_GPT, LLAMA_7B, LLAMA_70B, Workload
+from zerodp.tools.cli.main import main
+from zerodp.tools.plan.scaling.calibration import BENCH_WORKLOAD, MEASURED, calibration_rows
+from zerodp.tools.plan.scaling.cluster import H100_8X400G, LOCAL_GLOO
+from zerodp.tools.plan.scaling.plan import Group, Kind, Layout, Phase, Transfer, plan
+from zerodp.tools.plan.scaling.predictor import predict
+from zerodp.tools.plan.scaling.published import CHECKS
+from zerodp.tools.plan.scaling.report import regenerate
+from zerodp.tools.plan.scaling.workload import BENCH_GPT, LLAMA_7B, LLAMA_70B, Workload
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
 
@@ -137,16 +137,17 @@ def test_published_checks_as_documented(check):
 def test_scaling_doc_tables_are_current():
     text = DOC.read_text()
     assert regenerate(text) == text, \
-        "docs/scaling.md is stale: python -m zerodp.plan.scaling.report --write docs/scaling.md"
+        "docs/scaling.md is stale: python -m zerodp.tools.plan.scaling.report --write docs/scaling.md"
     # the blocks hold the tables (an empty block would regenerate to itself only if the code printed nothing)
     for row in ("| stage 3 | 1.600 |", "| llama-70b | 1024 | ZeRO++ |", "| ZeRO-100B, 400 V100",
                 "| h100-8x100g-node | llama-70b | 1024 |", "| ZeRO-100B TFLOP/s/GPU |"):
         assert row in text, row
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_the_documented_regenerate_command_runs(tmp_path):
     """docs/scaling.md's `python -m ... --write docs/scaling.md` is a command a developer types: run it as
-    written on a copy of the page (the module path moved once, with the planners into zerodp.plan)."""
+    written on a copy of the page (the module path moved once, with the planners into zerodp.tools.plan)."""
     text = DOC.read_text()
     module = re.search(r"`python -m (\S+) --write docs/scaling\.md`", text).group(1)
     copy = tmp_path / "scaling.md"
@@ -200,9 +201,9 @@ def test_model_state_memory_per_mode():
 
 
 def test_tensor_parallel_term_and_its_data_parallel_group():
-    from zerodp.plan.scaling.cluster import dgx2_v100
-    from zerodp.plan.scaling.plan import tensor_parallel_transfers
-    from zerodp.plan.scaling.published import GPT_100B
+    from zerodp.tools.plan.scaling.cluster import dgx2_v100
+    from zerodp.tools.plan.scaling.plan import tensor_parallel_transfers
+    from zerodp.tools.plan.scaling.published import GPT_100B
 
     work = Workload(GPT_100B, 16 * 1024, checkpointing=True)
     layout = Layout.of(400, 16, tp=16)
@@ -219,7 +220,7 @@ def test_tensor_parallel_term_and_its_data_parallel_group():
 
 
 def test_model_size_counts_give_llama_like_shapes():
-    from zerodp.plan.scaling.workload import shape_for_count
+    from zerodp.tools.plan.scaling.workload import shape_for_count
 
     for count in (1e8, 13e9, 175e9):
         assert shape_for_count(count).numel == pytest.approx(count, rel=0.03)

@@ -1,4 +1,4 @@
-"""The seams (src/zerodp/seams.py) are checked, not prose: every implementation has every member of
+"""The seams (src/zerodp/shard/seams.py) are checked, not prose: every implementation has every member of
 its Protocol, and every method takes the Protocol's parameters (names, kinds, defaults' presence).
 Implementations are taken from live engines at world size 1 (no process group), one per stage."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import zerodp
-from zerodp import seams
+from zerodp.shard import seams
 
 PROTOCOLS = (seams.ShardedUnit, seams.ShardingStrategy, seams.CheckpointOptimizer, seams.CheckpointEngine)
 

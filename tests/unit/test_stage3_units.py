@@ -11,10 +11,10 @@ from torch import nn
 
 import zerodp
 from zerodp.config import ConfigError
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
-from zerodp.stage3.prefetch import ExecutionOrder, Pass
-from zerodp.stage3.flat_unit import ShardState
-from zerodp.stage3.wrap import choose_unit_modules, plan_units
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.shard.stage3.prefetch import ExecutionOrder, Pass
+from zerodp.shard.stage3.flat_unit import ShardState
+from zerodp.shard.stage3.wrap import choose_unit_modules, plan_units
 
 
 def tiny_gpt() -> GPT:
@@ -160,7 +160,7 @@ class InitTouchesTwo(nn.Module):
 
 
 def test_init_context_builds_the_same_model_one_parameter_at_a_time(monkeypatch):
-    init_module = importlib.import_module("zerodp.stage3.init_context")  # the package exports a function of that name
+    init_module = importlib.import_module("zerodp.shard.stage3.init_context")  # the package exports a function of that name
 
     whole_at_once = []
     original = init_module._InitContext.make_whole

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from zerodp import comm
-from zerodp.grads.grad_arithmetic import GradArithmetic
-from zerodp.grads.grad_shard import GradShard, GradState
-from zerodp.flat.layout import FlatLayout
-from zerodp.stage3.module_unit import ModuleUnit, TrainingState
+from zerodp.shard.grads.grad_arithmetic import GradArithmetic
+from zerodp.shard.grads.grad_shard import GradShard, GradState
+from zerodp.shard.flat.layout import FlatLayout
+from zerodp.shard.stage3.module_unit import ModuleUnit, TrainingState
 
 
 def _shard(keep_full: bool) -> tuple[GradShard, list[nn.Parameter]]:

@@ -4,7 +4,7 @@ leaves CPU masters to the user's implementation (the CPU parity tests are bitwis
 import torch
 
 import zerodp
-from zerodp.optim.optimizer_list import OptimizerList
+from zerodp.optimizers.optimizer_list import OptimizerList
 from zerodp.optim.step_kernel import master_group_settings, master_step_settings
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")

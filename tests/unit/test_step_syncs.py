@@ -100,7 +100,7 @@ def test_a_step_reads_one_device_value(stage, precision):
 def test_the_control_flags_stay_on_the_host_where_the_group_reduces_cpu_tensors(monkeypatch, backend, expected):
     """A group that reduces CPU tensors agrees on the host: no wait for the GPU's backward (a device value)."""
     from zerodp import comm
-    from zerodp.grads.reduce_queue import control_device
+    from zerodp.shard.grads.reduce_queue import control_device
 
     monkeypatch.setattr(comm, "backend_name", lambda group=None: backend)
     assert control_device(None, torch.device("cuda", 0)).type == expected

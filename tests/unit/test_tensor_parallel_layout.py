@@ -3,8 +3,8 @@ vocab-parallel cross entropy at tp=1 is torch's, and the RNG tracker's streams."
 
 import torch
 
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
-from zerodp.models.tp_gpt import TensorParallelGPT, tp_lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.tp_gpt import TensorParallelGPT, tp_lm_loss
 from zerodp.tensor_parallel import (RNGStatesTracker, ShardSpec, merge_shards, seed_model_parallel, shard_tensor,
                                     tensor_parallel_specs)
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerodp.app import device, train
-from zerodp.app.report import render_summary
-from zerodp.app.train_args import resolve_train_args
-from zerodp.cli.main import TRAIN_OPTIONS
+from zerodp.tools.app import device, train
+from zerodp.tools.app.report import render_summary
+from zerodp.tools.app.train_args import resolve_train_args
+from zerodp.tools.cli.main import TRAIN_OPTIONS
 from zerodp.config import load_config
 from zerodp.errors import UsageError
-from zerodp.plan.model_shape import run_shape_of, uniform_shape
-from zerodp.plan.peak_device import predict_peak_device_bytes
-from zerodp.plan.peak_rss import RunShape, predict_peak_rss
+from zerodp.tools.plan.model_shape import run_shape_of, uniform_shape
+from zerodp.tools.plan.peak_device import predict_peak_device_bytes
+from zerodp.tools.plan.peak_rss import RunShape, predict_peak_rss
 
 CUDA0 = torch.device("cuda", 0)
 

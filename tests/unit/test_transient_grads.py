@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import zerodp
-from zerodp.models.gpt import GPT, GPTConfig
+from zerodp.tools.models.gpt import GPT, GPTConfig
 from zerodp.optim import transient_grads
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=4, n_embd=32)
@@ -63,6 +63,7 @@ def train(stage: int, steps: int, windowed: bool, monkeypatch, measure: bool = F
 
 
 @pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_windowed_step_is_bitwise_the_whole_step(stage, monkeypatch):
     windowed, _, _ = train(stage, 3, True, monkeypatch)
     with monkeypatch.context() as m:
@@ -72,6 +73,7 @@ def test_windowed_step_is_bitwise_the_whole_step(stage, monkeypatch):
         assert torch.equal(windowed[k], whole[k]), k
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_stage3_step_holds_fp32_gradients_of_one_window(monkeypatch):
     _, extra, numel = train(3, 2, True, monkeypatch, measure=True)
     # one Block of 8 (a window is at most max(largest unit, 1/8 of the shard)): 4 bytes x its elements

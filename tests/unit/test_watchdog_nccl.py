@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from zerodp.comm import collectives, group, watchdog
 
 
@@ -49,6 +51,7 @@ def test_only_nccl_waits_are_tracked_on_the_device(monkeypatch):
     assert len(tracked) == 1
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_a_collective_that_never_completes_on_the_device_ends_the_process_with_its_step_phase_and_unit():
     child = textwrap.dedent("""
         import time

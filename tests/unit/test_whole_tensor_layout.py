@@ -5,8 +5,8 @@ import torch
 
 import zerodp
 from zerodp.errors import OptimizerError
-from zerodp.flat.buffer import FlatBuffer
-from zerodp.flat.whole_tensor_layout import WholeTensorLayout
+from zerodp.shard.flat.buffer import FlatBuffer
+from zerodp.shard.flat.whole_tensor_layout import WholeTensorLayout
 from zerodp.optim.inner import check_supported, needs_whole_tensors, resolve_optimizer
 
 
@@ -70,8 +70,8 @@ def test_a_list_of_optimizers_must_be_disjoint():
 
 
 def test_estimator_reports_whole_tensor_imbalance(capsys):
-    from zerodp.cli.main import main
-    from zerodp.plan import whole_tensor_shard_numel
+    from zerodp.tools.cli.main import main
+    from zerodp.tools.plan import whole_tensor_shard_numel
 
     assert whole_tensor_shard_numel([(4, 4), (4, 4), (4, 4)], 2) == 32  # two matrices on one rank: 32 vs 24
     assert whole_tensor_shard_numel([(4, 4), (4, 4)], 2) == 16          # balanced: exactly Psi/N
@@ -81,7 +81,7 @@ def test_estimator_reports_whole_tensor_imbalance(capsys):
 
 
 def test_unpadded_layout_has_unequal_shards_balanced_across_units():
-    from zerodp.flat.whole_tensor_layout import UnpaddedWholeTensorLayout
+    from zerodp.shard.flat.whole_tensor_layout import UnpaddedWholeTensorLayout
 
     block = [(42, 14), (14, 14), (56, 14), (14, 56)]  # a GPT block's matrices: 588, 196, 784, 784
     first = UnpaddedWholeTensorLayout.after(block, 8)

@@ -9,6 +9,9 @@
     dcp_boxes.py     a shard's flat ranges as DCP's N-d boxes, and the planners that write and read them
     hf_export.py     streaming consolidation into the Hugging Face layout (sharded safetensors + index)
     param_values.py  one parameter's whole master, gradient or optimizer state from a live engine
+
+    tensor_parallel.py  Checkpoints of ZeRO beside tensor parallelism: one zerodp checkpoint per tensor-parallel rank.
+    tensor_reader.py    Reading a safetensors file by element ranges with plain reads: `TensorFileReader`.
 """
 
 from ..errors import CheckpointError

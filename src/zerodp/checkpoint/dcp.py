@@ -48,7 +48,7 @@ from . import state as cs
 from .. import comm
 from ..errors import CheckpointError
 from ..optim.inner import members, rebuild
-from ..seams import CheckpointEngine
+from ..shard.seams import CheckpointEngine
 from .dcp_boxes import BoxLoadPlanner, BoxSavePlanner, BoxTensor, flat_range_boxes
 
 MODEL_KEY = "model"

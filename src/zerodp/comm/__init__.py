@@ -6,6 +6,21 @@ chooses.
 
 Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
 is re-exported here.
+
+Modules:
+    backend.py        Which torch.distributed backend a rank uses: NCCL where this process sees a GPU, gloo ...
+    collectives.py    The collectives zerodp uses, as functions returning handles. Backend differences live here ...
+    communicator.py   Making a communicator: torch's `new_group`, handed out only once every member has connected to ...
+    group.py          What zerodp asks of a process group: its rank, size and backend, whether its collectives are ...
+    local_groups.py   Communicators that only some ranks make: `local_group` and `give_back`.
+    module_device.py  The device a rank's model trains on, and moving a model built on the CPU there.
+    pairwise.py       Reduce-scatter and all-gather as direct pairwise exchanges, for gloo: ...
+    process_group.py  The default process group's life cycle: created from torchrun's environment, owned by its ...
+    quantize.py       Block-wise symmetric quantization: the arithmetic of ZeRO++'s quantized collectives (qwZ, qgZ).
+    quantized.py      ZeRO++'s quantized collectives (Wang et al. 2023, arXiv 2306.10209), opt-in approximations:
+    topology.py       Which node each rank runs on, and which collectives cross nodes.
+    uneven.py         Collectives over shards of unequal sizes: `all_gather_uneven`, `reduce_scatter_uneven`.
+    watchdog.py       No silent hang: a watchdog over every blocking collective wait, and a flight recorder.
 """
 
 from . import topology, watchdog

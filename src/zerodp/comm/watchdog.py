@@ -20,7 +20,7 @@ path, the others wait inside the backend (gloo's default is 30 minutes) and prin
   collective per collective: a debugging aid, off by default.
 
 The recorder and the activity are per process: module state, like `comm.record()`'s logs. The settings
-(timeout, debug_sync, rank) are process-wide too; the Runtime (zerodp/runtime.py) sets them when an engine
+(timeout, debug_sync, rank) are process-wide too; the Runtime (zerodp/engine/runtime.py) sets them when an engine
 starts (`apply`) and gives the previous ones back when it closes, so two engines do not reset each other's.
 """
 

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ..placement import Home
+from ..offload.placement import Home
 
 
 class GradStaging:
