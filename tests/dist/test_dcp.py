@@ -23,6 +23,7 @@ import zerodp
 from zerodp.checkpoint import MASTER, CheckpointError, whole_param_value
 from tests.dist.common import (assert_matches_reference, global_batch, make_model, make_optimizer, micro_batch,
                                train_steps)
+from tests.oracle import train_reference
 
 ROWS = 12            # the global batch: 6 rows per rank at world 2, 4 at world 3
 BEFORE, AFTER = 3, 2  # steps before the checkpoint, steps after the resume
@@ -160,8 +161,9 @@ def zerodp_resume(path: str, stage: int, variant: str = "") -> dict:
 
 
 def reference_from(state: dict) -> tuple[list[float], dict]:
-    """Plain PyTorch, one process, the global batch, continuing from `state` (fsdp2_full_state's form) for
-    AFTER steps: a parameter without optimizer state starts fresh, as torch's would."""
+    """The oracle (tests/oracle.py) continuing from `state` (fsdp2_full_state's form, and the groups' lrs) for
+    AFTER steps: torch's AdamW given the saved moments and steps; a parameter without state starts fresh, as
+    torch's would."""
     model = make_model(2)
     model.load_state_dict(state["model"])
     opt = make_optimizer("adamw", model)
@@ -171,15 +173,13 @@ def reference_from(state: dict) -> tuple[list[float], dict]:
         if name in state["state"]:
             saved = state["state"][name]
             opt.state[p] = {"step": saved["step"].clone().float(), **{k: saved[k].clone() for k in MOMENTS}}
-    losses = []
-    for step in range(BEFORE, BEFORE + AFTER):
-        x, y = global_batch(step, ROWS)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def step_loss(model, step):
+        x, y = global_batch(BEFORE + step, ROWS)
+        return F.mse_loss(model(x), y)
+
+    ref = train_reference(model, opt, AFTER, step_loss)
+    return ref.losses, ref.params
 
 
 def assert_same_state(loaded: dict, saved: dict, what: str) -> None:
