@@ -15,7 +15,7 @@ dicts with "."):
     optimizer.param_groups.<i>.<hyper>    group i's hyper-parameters and `params` (fqns): get_state_dict's form
     optimizer.param_groups.<fqn>.<hyper>  the same per parameter: flatten_optimizer_state_dict=True's form
                                           (torchtitan); both are written, either is read
-    zerodp.counters, zerodp.lr_scheduler  zerodp's step counters, loss scaler and schedule (JSON, torch.save
+    zerodp_state.counters, .lr_scheduler  zerodp's step counters, loss scaler and schedule (JSON, torch.save
                                           bytes); other readers ignore them
 
 [Note: DCP boxes] Each rank writes only what it owns: the elements of each parameter in its shard, as the
@@ -54,8 +54,8 @@ from .dcp_boxes import BoxLoadPlanner, BoxSavePlanner, BoxTensor, flat_range_box
 MODEL_KEY = "model"
 STATE_PREFIX = "optimizer.state."
 GROUPS_PREFIX = "optimizer.param_groups."
-COUNTERS_KEY = "zerodp.counters"
-SCHEDULE_KEY = "zerodp.lr_scheduler"
+COUNTERS_KEY = "zerodp_state.counters"
+SCHEDULE_KEY = "zerodp_state.lr_scheduler"
 TRAIN_STEP_KEY = "train_state.step"   # torchtitan's TrainState step
 # group entries that say how torch computes, not what: never copied from another writer's groups
 _IMPLEMENTATION_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
