@@ -275,8 +275,10 @@ def _agree(engine: CheckpointEngine, error: Optional[Exception], what: str) -> N
     message = None if error is None else (str(error) if isinstance(error, CheckpointError)
                                           else f"{type(error).__name__}: {error}")
     messages = comm.all_gather_object(message, engine.process_group)
+    if isinstance(error, CheckpointError):
+        raise error
     if error is not None:
-        raise (error if isinstance(error, CheckpointError) else CheckpointError(f"{what}: {message}")) from error
+        raise CheckpointError(f"{what}: {message}") from error
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         raise CheckpointError(f"rank {failed[0][0]} {what}: {failed[0][1]}")
