@@ -24,12 +24,13 @@ from torch import nn
 
 from .. import activations, comm
 from ..checkpoint import full_state_dict, read_checkpoint, save_checkpoint
+from ..checkpoint.dcp import read_dcp, save_dcp
 from ..checkpoint.state import set_rng_state
 from ..checkpoint.tensor_parallel import rank_dir as tp_rank_dir, save_per_rank as tp_save
 from ..comm import watchdog
 from ..config import ConfigError, ZeroConfig, load_config
 from ..config.auto import resolve_auto
-from ..errors import NonFiniteError
+from ..errors import CheckpointError, NonFiniteError
 from ..optimizers.client_schedule import build_schedule, engine_schedule
 from ..optimizers.lr_schedules import build_lr_scheduler
 from ..monitor.memory_report import MemoryReport, measure_memory
@@ -93,6 +94,12 @@ class ZeroEngine:
         self.param_names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
+        # the user's param groups by parameter name, frozen parameters included, read before zerodp rebuilds the
+        # optimizer: a DCP export lists them as torch's get_state_dict does (checkpoint/dcp.py); None: no torch
+        # optimizer was passed (the config builds one)
+        self.param_group_names: Optional[list[list[str]]] = None if not hasattr(optimizer, "param_groups") else \
+            [[self.param_names[id(p)][0] for p in g["params"] if id(p) in self.param_names]
+             for g in optimizer.param_groups]
         # where each state lives (masters, optimizer state, staging buffers), decided once: placement.py
         self.placement = placement_of(config, model_device(model))
         # the optimizer resolved and checked, the model made the same on every rank and cast, its parameters laid
@@ -342,6 +349,45 @@ class ZeroEngine:
         if resumed.rng is not None:  # ranks beyond the saved world size keep their own RNG states
             set_rng_state(resumed.rng)
         return resumed.client_state
+
+    def save_dcp(self, path, model_key: str = "model") -> str:
+        """Write model and optimizer state as a torch distributed checkpoint (DCP) in folder `path`, in the keys
+        FSDP2's get_state_dict uses (checkpoint/dcp.py); every rank writes only its own shard."""
+        self._refuse_dcp_with_tensor_parallel()
+        watchdog.activity.enter("checkpoint")
+        self.sync_written_shards()
+        return save_dcp(self, path, model_key=model_key)
+
+    def load_dcp(self, path, load_optimizer: bool = True, load_lr_scheduler: bool = True,
+                 model_key: Optional[str] = None) -> None:
+        """Resume from a DCP checkpoint that FSDP2, torchtitan or `save_dcp` wrote, at any world size or stage:
+        parameters, optimizer state and step counts. From zerodp's own export also the step counters, loss
+        scaler and (unless `load_lr_scheduler=False`) the lr schedule; from another writer's the global step is
+        torchtitan's train_state.step, else the largest Adam step, and the schedule is left as it is."""
+        self._refuse_dcp_with_tensor_parallel()
+        watchdog.activity.enter("checkpoint")
+        self._release_kept_units()  # their gathered values are about to go stale
+        resumed = read_dcp(self, path, load_optimizer=load_optimizer, model_key=model_key,
+                           load_lr_scheduler=load_lr_scheduler)
+        if resumed.counters is not None:
+            counters = resumed.counters
+            self.scaler.load_state_dict(counters["loss_scaler"])
+            self.global_step, self.skipped_steps = counters["global_step"], counters["skipped_steps"]
+            same_accumulation = counters["gradient_accumulation_steps"] == self.gradient_accumulation_steps
+            self.micro_step = counters["micro_step"] if same_accumulation else \
+                self.global_step * self.gradient_accumulation_steps
+        else:
+            self.global_step = resumed.train_step if resumed.train_step is not None else resumed.optimizer_step
+            self.skipped_steps = 0
+            self.micro_step = self.global_step * self.gradient_accumulation_steps
+        if resumed.lr_scheduler is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(resumed.lr_scheduler)
+        self.sharding.after_step()  # note: a collective; re-assembles full parameters from the loaded shards
+
+    def _refuse_dcp_with_tensor_parallel(self) -> None:
+        if self.mpu is not None:
+            raise CheckpointError("DCP export and import do not cover tensor-parallel engines yet; use "
+                              "save_checkpoint / load_checkpoint (one folder per tensor-parallel rank)")
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
