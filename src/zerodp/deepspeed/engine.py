@@ -292,12 +292,12 @@ class DeepSpeedEngine(ConsolidatedWeights):
             raise ConfigError("load_checkpoint: loading only the module (load_optimizer_states=False, "
                               "load_module_only=True, load_module_strict=False, custom_load_fn) is not implemented; "
                               "load the weights with zerodp.consolidate_checkpoint(path) and model.load_state_dict")
-        from ..checkpoint.format import resolve_tag_dir
+        from ..checkpoint.save_load import checkpoint_tag_dir
 
         if self.engine.mpu is not None:  # this tensor-parallel rank's directory (checkpoint/tensor_parallel.py)
             load_dir = rank_dir(self.engine.mpu, load_dir, saved=True)
 
-        path = resolve_tag_dir(load_dir, None if tag is None else str(tag))
+        path = checkpoint_tag_dir(load_dir, None if tag is None else str(tag))
         client_state = self.engine.load_checkpoint(load_dir, tag=None if tag is None else str(tag),
                                                    load_lr_scheduler=load_lr_scheduler_states)
         self._restore_client_groups()
