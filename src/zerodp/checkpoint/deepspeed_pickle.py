@@ -1,4 +1,5 @@
-"""Reading DeepSpeed's pickled checkpoint files without DeepSpeed, and without running code: `load_deepspeed_file`.
+"""DeepSpeed's pickled checkpoint files without DeepSpeed: `load_deepspeed_file` (reading, never running code) and
+`save_deepspeed_file` (writing DeepSpeed's class names).
 
 DeepSpeed `torch.save`s plain containers and tensors, plus a few of its own objects: the loss scaler
 (`deepspeed.runtime.fp16.loss_scaler.LossScaler` / `DynamicLossScaler`), the ZeRO stage (`ZeroStageEnum`), the
@@ -13,15 +14,23 @@ constructor arguments (`args`: an enum's value, a named tuple's fields) and the 
 scaler's `cur_scale`, ...) and runs nothing. A user's own object in the client state (DeepSpeed merges the client
 state into `mp_rank_00_model_states.pt`) stays refused, with torch's message naming its class: allowlist it with
 `torch.serialization.add_safe_globals([TheClass])`, as for any weights-only load.
+
+Writing: DeepSpeed's loader assigns the pickled loss scaler to its optimizer and calls its methods, so a checkpoint
+for DeepSpeed must name DeepSpeed's classes. `LossScaler`, `DynamicLossScaler` and `fragment_address` below hold
+DeepSpeed's attributes (runtime/fp16/loss_scaler.py, utils/tensor_fragment.py of 0.19.8) and are pickled under
+DeepSpeed's module names (`save_deepspeed_file`): DeepSpeed unpickles its own classes, zerodp's `deepspeed` alias
+these (zerodp.deepspeed.runtime.fp16.loss_scaler re-exports them), and `load_deepspeed_file` records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import pickletools
+import types
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -101,3 +110,58 @@ def load_deepspeed_file(path) -> Any:
 def record_value(record: Any) -> Any:
     """An enum record's value (`ZeroStageEnum.gradients` -> 2); anything else unchanged."""
     return record.args[0] if isinstance(record, DeepSpeedRecord) and len(record.args) == 1 else record
+
+
+# -- writing DeepSpeed's names ----------------------------------------------------------------------
+
+
+class LossScaler:
+    """DeepSpeed's static loss scaler, as its checkpoints pickle it (`cur_scale`, `dynamic`)."""
+
+    DEEPSPEED_NAME = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.cur_scale = float(scale)
+        self.dynamic = False
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+
+class DynamicLossScaler(LossScaler):
+    """DeepSpeed's dynamic loss scaler's state (`cur_iter`, `last_overflow_iter`, `cur_hysteresis`, ...)."""
+
+    DEEPSPEED_NAME = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+
+
+@dataclasses.dataclass
+class fragment_address:  # noqa: N801 (DeepSpeed's name, a dataclass there too)
+    """A parameter's piece of a rank's flat partition (DeepSpeed's param_slice_mappings entries)."""
+
+    numel: int
+    start: int
+    DEEPSPEED_NAME: ClassVar[str] = "deepspeed.utils.tensor_fragment.fragment_address"
+
+
+class _DeepSpeedNamesPickler(pickle._Pickler):
+    """A pickler (the pure-Python one: its save_global can be overridden) writing DeepSpeed's names for the classes
+    above; torch.save's protocol 2 names a class with one GLOBAL opcode."""
+
+    def save_global(self, obj, name=None):
+        deepspeed_name = getattr(obj, "DEEPSPEED_NAME", None) if isinstance(obj, type) else None
+        if deepspeed_name is None:
+            return super().save_global(obj, name)
+        module, qualname = deepspeed_name.rsplit(".", 1)
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
+
+
+_PICKLE_MODULE = types.ModuleType("zerodp_deepspeed_pickle")
+_PICKLE_MODULE.Pickler = _DeepSpeedNamesPickler
+_PICKLE_MODULE.Unpickler = pickle.Unpickler
+
+
+def save_deepspeed_file(obj: Any, path) -> None:
+    """torch.save `obj` to `path` (protocol 2, as DeepSpeed's files are), naming the classes above as DeepSpeed's."""
+    torch.save(obj, path, pickle_module=_PICKLE_MODULE, pickle_protocol=2)

@@ -76,7 +76,7 @@ class DeepSpeedState:
 
 def is_deepspeed_tag_dir(tag_dir: Path) -> bool:
     """A DeepSpeed ZeRO tag folder (model and optimizer files) or a universal one (zero/ inside)."""
-    if not tag_dir.is_dir():
+    if not tag_dir.is_dir() or (tag_dir / fmt.META_FILE).is_file():  # zerodp's own (maybe with DeepSpeed's beside)
         return False
     names = [p.name for p in tag_dir.iterdir()]
     return any(_MODEL.match(n) for n in names) and (any(_OPTIM.match(n) for n in names) or (tag_dir / "zero").is_dir())
