@@ -211,10 +211,11 @@ def _model_states(engine: CheckpointEngine, groups, full: dict, rank: int, clien
         "buffer_names": [k for k, e in entries.items() if e["kind"] == "buffer"],
         "optimizer": None,
         "param_shapes": [OrderedDict((n, p.shape) for n, p in members) for members in groups],
-        # DeepSpeed records frozen parameters from stage 2 on; at stage 1 they are in `module` only
-        "frozen_param_shapes": frozen_shapes if stage >= 2 else None,
+        # DeepSpeed records frozen parameters from stage 2 on, so its zero_to_fp32 drops them from its own stage-1
+        # checkpoints; written at every stage here, so that tool returns the whole model (its loader ignores them)
+        "frozen_param_shapes": frozen_shapes,
         "shared_params": {k: e["alias_of"] for k, e in entries.items() if e["alias_of"] is not None},
-        "frozen_param_fragments": fragments if stage >= 2 else None,
+        "frozen_param_fragments": fragments,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "data_sampler": None, "random_ltd": None,
         "skipped_steps": engine.skipped_steps, "global_steps": engine.global_step,
