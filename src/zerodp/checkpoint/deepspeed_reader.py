@@ -410,3 +410,19 @@ def loss_scaler_state(optim: dict, engine, skipped_steps: int) -> dict:
         state["hysteresis_left"] = int(getattr(scaler, "cur_hysteresis", current["hysteresis_left"]))
         state["clean_steps"] = max(0, int(scaler.cur_iter) - int(scaler.last_overflow_iter) - 2)
     return state
+
+
+def deepspeed_state_dict(tag_dir: Path, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """The fp32 state dict of a DeepSpeed checkpoint folder, as DeepSpeed's zero_to_fp32 returns it: parameters in
+    fp32 (the masters), buffers and frozen parameters, tied names sharing one tensor; in the module's key order."""
+    ds = read_deepspeed(tag_dir)
+    values = {**{k: v for k, v in ds.module.items() if not (exclude_frozen_parameters and k in ds.frozen_shapes)},
+              **ds.masters}
+    values = {k: v.float() if v.is_floating_point() else v for k, v in values.items()}
+    order = list(ds.model_states.get("module") or {}) or list(values)
+    out = {k: values[k] for k in order if k in values}
+    out.update({k: v for k, v in values.items() if k not in out})
+    for alias, first in ds.shared.items():
+        if first in out:
+            out[alias] = out[first]
+    return out
