@@ -46,7 +46,8 @@ def resume(name: str, stage: int) -> dict:
     case = CASES[name]
     config = {**case["config"], "zero_optimization": {"stage": stage},
               "gradient_accumulation_steps": ROWS // (EXPECTED["micro_bs"] * world)}
-    config.pop("checkpoint", None)  # DeepSpeed's load_universal switch: zerodp tells the folders apart itself
+    # the universal case keeps DeepSpeed's checkpoint.load_universal: accepted, with no effect (zerodp tells the folders
+    # apart by their files)
     model = make_model(123)  # other initial weights than the saved run's: the load must set every value
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model, 1e-2),
                                                                                lr=EXPECTED["lr"]), config=config)

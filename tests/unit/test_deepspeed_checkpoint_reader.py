@@ -104,3 +104,88 @@ def test_zero_engine_saves_deepspeed_layout_when_asked(tmp_path):
     full = engine.full_state_dict()
     assert state.keys() == full.keys() and all(torch.equal(state[k], full[k]) for k in full)
     engine.close()
+
+
+def test_adam_state_into_another_optimizer_is_refused():
+    model = make_model(123)
+    engine = zerodp.initialize(model, torch.optim.SGD(param_groups(model, 1e-2), lr=0.1, momentum=0.9),
+                               {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})
+    with pytest.raises(zerodp.CheckpointError, match=r"holds Adam's moments \(exp_avg, exp_avg_sq\), but the engine's "
+                                                     r"optimizer is torch.optim.sgd.SGD; resume with an Adam\(W\)"):
+        engine.load_checkpoint(FIXTURES / "s2_fp32")
+    engine.close()
+
+
+class _UserState:  # an object of the user's own in a client state
+    def __init__(self) -> None:
+        self.epoch = 7
+
+
+def test_user_objects_in_deepspeed_pickles_need_allowing(tmp_path):
+    """DeepSpeed's files are read weights-only: a user's class is refused, naming it, until allowlisted."""
+    from zerodp.checkpoint.deepspeed_pickle import DeepSpeedRecord, DynamicLossScaler, save_deepspeed_file
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    save_deepspeed_file({"scaler": DynamicLossScaler(8.0), "user": _UserState()}, path)
+    with pytest.raises(zerodp.CheckpointError, match=r"_UserState.* torch.serialization.add_safe_globals"):
+        load_deepspeed_file(path)
+    with torch.serialization.safe_globals([_UserState]):
+        loaded = load_deepspeed_file(path)
+    assert loaded["user"].epoch == 7
+    assert isinstance(loaded["scaler"], DeepSpeedRecord) and loaded["scaler"].cur_scale == 8.0  # never DeepSpeed's
+
+
+def _deepspeed_grows(cur_iter: int, last_overflow_iter: int, window: int) -> bool:
+    """DeepSpeed 0.19.8's rule (runtime/fp16/loss_scaler.py, DynamicLossScaler.update_scale) at a clean step."""
+    stable = cur_iter - last_overflow_iter - 1
+    return stable > 0 and stable % window == 0
+
+
+@pytest.mark.parametrize("cur_iter,last_overflow_iter", [(3, -1), (7, 2), (10, 8), (5, 4)])
+def test_loss_scaler_window_carries_over_from_deepspeed(cur_iter, last_overflow_iter):
+    """After a load, zerodp's scale grows at the clean steps where DeepSpeed's would have (window 3)."""
+    from types import SimpleNamespace
+
+    from zerodp.checkpoint.deepspeed_pickle import DynamicLossScaler
+    from zerodp.checkpoint.deepspeed_reader import loss_scaler_state
+    from zerodp.precision import LossScaler
+
+    ds = DynamicLossScaler(1024.0)
+    ds.__dict__.update(dynamic=True, cur_iter=cur_iter, last_overflow_iter=last_overflow_iter, cur_hysteresis=2)
+    scaler = LossScaler(scale=1.0, dynamic=True, window=3, hysteresis=2)
+    scaler.load_state_dict(loss_scaler_state({"loss_scaler": ds}, SimpleNamespace(scaler=scaler), 0))
+    assert scaler.scale == 1024.0
+    zerodp_growth, deepspeed_growth, it = [], [], cur_iter
+    for _ in range(7):
+        before = scaler.scale
+        scaler.update(False)
+        zerodp_growth.append(scaler.scale > before)
+        deepspeed_growth.append(_deepspeed_grows(it, last_overflow_iter, 3))
+        it += 1
+    assert zerodp_growth == deepspeed_growth and any(zerodp_growth)
+
+
+def test_adapter_checkpoint_format_zerodp_writes_no_deepspeed_weights(tmp_path):
+    import zerodp.deepspeed as deepspeed
+    from zerodp.config import ConfigError
+
+    model = make_model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model, 1e-2), lr=1e-2),
+                                      config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})
+    engine.save_checkpoint(tmp_path / "z", checkpoint_format="zerodp")
+    index = torch.load(tmp_path / "z" / "global_step0" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    assert "single_partition_of_fp32_groups" not in index["optimizer_state_dict"]  # an index, no weights
+    assert not (tmp_path / "z" / "zero_to_fp32.py").exists()
+    engine.save_checkpoint(tmp_path / "d")  # the default: DeepSpeed's layout and the script too
+    optim = load_deepspeed_file(tmp_path / "d" / "global_step0" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert optim["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].numel() > 0
+    script = tmp_path / "d" / "zero_to_fp32.py"
+    spec = importlib.util.spec_from_file_location("zero_to_fp32_cli", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([str(tmp_path / "d"), str(tmp_path / "model_fp32.pt")])  # the documented command line
+    weights = torch.load(tmp_path / "model_fp32.pt", weights_only=True)
+    assert all(torch.equal(weights[k], v) for k, v in engine.full_state_dict().items())
+    with pytest.raises(ConfigError, match="checkpoint_format='deepspeed'"):
+        engine.save_checkpoint(tmp_path / "x", checkpoint_format="deepspeed")
+    engine.destroy()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import pickletools
+import re
 import types
 import zipfile
 from pathlib import Path
@@ -102,9 +103,11 @@ def load_deepspeed_file(path) -> Any:
         with torch.serialization.safe_globals(stand_ins):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL (\S+)", str(err))  # torch names the refused class: "Unsupported global: GLOBAL x.Y"
+        what = named.group(1) if named else str(err).splitlines()[0]
         raise CheckpointError(f"{path} holds an object zerodp does not unpickle (it never runs a checkpoint's code): "
-                              f"{str(err).splitlines()[0]}. If it is your own client state's class, allowlist it "
-                              f"with torch.serialization.add_safe_globals([YourClass]) before loading") from None
+                              f"{what}. If it is your own client state's class, allowlist it with "
+                              f"torch.serialization.add_safe_globals([YourClass]) before loading") from None
 
 
 def record_value(record: Any) -> Any:

@@ -38,7 +38,7 @@ import torch
 from . import format as fmt
 from . import state as cs
 from ..errors import CheckpointError
-from .deepspeed_pickle import DeepSpeedRecord, load_deepspeed_file, record_value
+from .deepspeed_pickle import load_deepspeed_file, record_value
 
 UNIVERSAL_LATEST = "latest_universal"
 # The model-states file's own keys; everything else in it is the client state (DeepSpeed's load returns those).
@@ -395,20 +395,21 @@ def as_zerodp(tag_dir: Path, ds: DeepSpeedState, engine, lr_scheduler_file: str)
 
 
 def loss_scaler_state(optim: dict, engine, skipped_steps: int) -> dict:
-    """zerodp's LossScaler state from DeepSpeed's (a `DeepSpeedRecord` of its LossScaler / DynamicLossScaler).
+    """zerodp's LossScaler state from DeepSpeed's (its LossScaler / DynamicLossScaler, read as a `DeepSpeedRecord`).
 
     DeepSpeed grows the scale when `cur_iter - last_overflow_iter - 1` is a positive multiple of the window at an
     update (before `cur_iter` advances); zerodp when its clean-step count, advanced first, is a multiple of it. The
     count that makes zerodp's next decision DeepSpeed's is `cur_iter - last_overflow_iter - 2`."""
     current = engine.scaler.state_dict()
     scaler = optim.get("loss_scaler")
-    if not isinstance(scaler, DeepSpeedRecord) or not hasattr(scaler, "cur_scale"):
+    if not hasattr(scaler, "cur_scale"):  # a record of DeepSpeed's scaler (or zerodp's stand-in): anything else is none
         return {**current, "overflows": skipped_steps}
     state = {"scale": float(scaler.cur_scale), "hysteresis_left": current["hysteresis_left"],
              "clean_steps": 0, "overflows": skipped_steps}
     if getattr(scaler, "dynamic", False):
         state["hysteresis_left"] = int(getattr(scaler, "cur_hysteresis", current["hysteresis_left"]))
-        state["clean_steps"] = max(0, int(scaler.cur_iter) - int(scaler.last_overflow_iter) - 2)
+        # -1 right after an overflow: zerodp's next clean step counts 0, which grows nothing, as DeepSpeed's first
+        state["clean_steps"] = int(scaler.cur_iter) - int(scaler.last_overflow_iter) - 2
     return state
 
 
