@@ -92,3 +92,10 @@ def test_unknown_folder_named_by_latest(tmp_path):
 def test_empty_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     assert_load_fails(tmp_path / "empty", r"is not a zerodp checkpoint directory: .* is empty")
+
+
+def test_deepspeed_checkpoint_with_model_parallelism(ds_copy):
+    tag = ds_copy / "global_step3"
+    (tag / "mp_rank_01_model_states.pt").write_bytes((tag / "mp_rank_00_model_states.pt").read_bytes())
+    assert_load_fails(ds_copy, r"DeepSpeed checkpoint with model \(tensor\) parallelism .* convert it with DeepSpeed's "
+                               r"ds_to_universal")

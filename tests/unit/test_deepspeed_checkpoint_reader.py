@@ -189,3 +189,17 @@ def test_adapter_checkpoint_format_zerodp_writes_no_deepspeed_weights(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint_format='deepspeed'"):
         engine.save_checkpoint(tmp_path / "x", checkpoint_format="deepspeed")
     engine.destroy()
+
+
+def test_adapter_at_stage_0_writes_zerodp_format_only(tmp_path):
+    import zerodp.deepspeed as deepspeed
+
+    model = make_model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model, 1e-2), lr=1e-2),
+                                      config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}})
+    engine.save_checkpoint(tmp_path / "s0")
+    tag = tmp_path / "s0" / "global_step0"
+    assert (tag / "meta.json").is_file() and not (tmp_path / "s0" / "zero_to_fp32.py").exists()
+    index = torch.load(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    assert set(index["optimizer_state_dict"]) == {"zero_stage", "partition_count", "zerodp_shard"}
+    engine.destroy()
