@@ -390,7 +390,7 @@ def as_zerodp(tag_dir: Path, ds: DeepSpeedState, engine, lr_scheduler_file: str)
     objects: dict[str, Any] = {fmt.CLIENT_STATE_FILE: {k: v for k, v in ms.items() if k not in _DEEPSPEED_KEYS}}
     if ms.get("lr_scheduler") is not None:
         objects[lr_scheduler_file] = ms["lr_scheduler"]
-    module = {k: v for k, v in ds.module.items() if not k in group_of}
+    module = {k: v for k, v in ds.module.items() if k not in group_of}
     return meta, MemoryCheckpointFiles(tag_dir, meta, {SHARD: shard, fmt.MODEL_STATES_FILE: module}, objects)
 
 

@@ -30,6 +30,7 @@ import torch
 from . import state as cs
 from .deepspeed_pickle import DynamicLossScaler, LossScaler, fragment_address, save_deepspeed_file
 from .param_values import MASTER, whole_param_value
+from .. import comm
 from ..errors import CheckpointError
 from ..seams import CheckpointEngine
 
@@ -100,9 +101,21 @@ def write_deepspeed_layout(engine: CheckpointEngine, tag_dir, client_state: Opti
                 values[key] = value if value is not None else torch.zeros_like(values[MASTER])
             whole[name] = values
     frozen = {n: v for n, v in (engine.full_state_dict(rank0_only=True) or {}).items()}  # collective; rank 0 only
-    if engine.rank != 0:
-        return
-    tag_dir = Path(tag_dir)
+    error = None
+    if engine.rank == 0:
+        try:
+            _write_files(engine, Path(tag_dir), groups, specs, whole, frozen, client_state, ds_config)
+        except Exception as err:  # reported on every rank below: no rank returns before the files exist
+            error = err
+    messages = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}",
+                                      engine.process_group)
+    if messages[0] is not None:
+        raise CheckpointError(f"DeepSpeed's files of {tag_dir} were not all written (rank 0: {messages[0]}); zerodp's "
+                              f"own checkpoint there is complete and loads") from error
+
+
+def _write_files(engine: CheckpointEngine, tag_dir: Path, groups, specs, whole, frozen, client_state, ds_config) -> None:
+    stage, world = engine.stage, engine.world_size
     bf16 = engine.config.bf16.enabled
     hyper = {user: cs.encode_hyper(group) for user, group in cs.inner_groups(engine)}
     param_groups = [{**{k: cs.decode_hyper(v) for k, v in hyper.get(g, {}).items()}, "params": [g]}
