@@ -149,6 +149,12 @@ def deepspeed_phase() -> None:
                  "with zerodp's 3 steps after its save). The last column is a parameter that never gets a gradient: DeepSpeed "
                  "steps it with a zero gradient, so AdamW's weight decay shrinks it (w *= 1 - lr * 0.01 per step), "
                  "where torch's AdamW and zerodp leave it.", "",
+                 "Commands (from the repository root):", "", "```",
+                 "PHASE=zerodp OUT=/tmp/ds_reads_zerodp PYTHONPATH=src OMP_NUM_THREADS=1 /work/dsvenv/bin/python -m "
+                 "torch.distributed.run --nproc_per_node 2 bench/deepspeed_reads_zerodp.py",
+                 "PHASE=deepspeed OUT=/tmp/ds_reads_zerodp PYTHONPATH=src DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "
+                 "/work/dsvenv/bin/python -m torch.distributed.run --nproc_per_node 2 bench/deepspeed_reads_zerodp.py",
+                 "```", "", f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, CPU, gloo.", "",
                  "| case | get_fp32_state_dict_from_zero_checkpoint | zero_to_fp32.py | client state | max loss diff | "
                  "lrs equal | max fp32 master diff | counters equal | unused.weight diff |",
                  "|---|---|---|---|---|---|---|---|---|"]
