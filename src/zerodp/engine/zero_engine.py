@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .. import activations, comm
+from .. import comm
 from ..checkpoint import full_state_dict, read_checkpoint, save_checkpoint
 from ..checkpoint.deepspeed_writer import write_deepspeed_layout
 from ..checkpoint.dcp import read_dcp, save_dcp
@@ -441,8 +441,6 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
     stepped after every optimizer step taken, instead of a config `scheduler` section. `mpu`: Megatron's model-
     parallel unit of a tensor-parallel model: ZeRO shards over its data-parallel group (optim/model_parallel.py)."""
     config = load_config(config)
-    if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
-        activations.PROCESS.adopt(config.activation_checkpointing)
     created = comm.init_distributed(RUNTIME.backend_timeout_s(config))
     group = process_group if mpu is None else data_parallel_group(mpu, process_group)  # what ZeRO shards over
     if not created:  # a group made elsewhere (or an earlier engine's): which host each of its ranks runs on, now
