@@ -82,9 +82,12 @@ def test_classic_moe_default_config_is_exact_at_stage3(opt_name):
     (_, _, used0, units), (_, _, used1, _) = results
     # the case is the hard one: ranks route differently, and an expert is unused on some steps and used on others
     assert any(a != b for a, b in zip(used0, used1)), "every rank routed to the same experts: not the case"
-    unused = [{e for e in range(8) if e not in layer} for step in ref_used for layer in step]
-    assert any(unused), "every expert was used on every step: not the case"
-    assert set().union(*unused) - set.intersection(*unused), "no expert is unused on one step and used on another"
+    # an expert used by some rank on one step and by no rank on a later one: its skip must be torch's (with
+    # momentum and weight decay, a zero-gradient step would still move it)
+    layers = len(ref_used[0])
+    assert any(e in ref_used[i][layer] and e not in ref_used[j][layer]
+               for layer in range(layers) for i in range(STEPS) for j in range(i + 1, STEPS) for e in range(8)), \
+        "no expert was used and later unused on every rank: not the case"
     # units at the repeated blocks' granularity: nothing inside a block is gathered on its own
     assert units == ["<root>", "blocks.0", "blocks.1"], units
     for rank, (losses, params, _, _) in enumerate(results):

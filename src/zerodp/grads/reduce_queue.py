@@ -16,6 +16,8 @@ The control collective (one small MAX all-reduce, note: a sync point) carries, p
 reduction rounds it needs this micro-step (rounds already launched, plus one if gradients arrived
 after the last launch), and at an accumulation boundary one flag per parameter: whether it got a
 gradient on any rank since the last optimizer step (the optimizer leaves the others untouched).
+At stage 3 it also carries the digest of the micro-step's gathers (an `Agreement`, verified before
+any round runs: [Note: mixed gathers] in stage3/gather_ledger.py), at no extra collective.
 
 Policy (`reduce_all`): stages 0-2 reduce every bucket at every reducing micro-step, gradient or not,
 as DDP does, so their remaining buckets are launched before the control collective; stage 3 skips
