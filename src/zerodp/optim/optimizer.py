@@ -345,6 +345,8 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             offset += n
             if (bool(flags.all()) and not mine) or self.whole[index]:
                 continue  # whole tensors: the parameter's .grad is None, torch skips it
+            if only is not None and not any(id(c) in only for c in self.chunks[index]):
+                continue  # none of its chunks is stepped here (another window, or stepped slice by slice)
             for seg in unit.layout.segments(unit.shard_index):
                 if flags[seg.param_index] and seg.param_index not in mine:
                     continue
