@@ -118,6 +118,30 @@ def zerodp_stage(model: nn.Module, stage: int, **zero_keys) -> Runner:
     return Runner(engine, engine.backward, engine.step, states, lambda: states("predicted"))
 
 
+class _NoGatherCheck:
+    """Stands in for stage 3's GatherLedger (stage3/gather_ledger.py): records nothing, adds nothing to the
+    control collective. Only to measure what the check costs (bench/gather_check_cost.py)."""
+
+    def record(self, index: int) -> None:
+        pass
+
+    def settle(self) -> list:
+        return []
+
+    def verify(self, reduced: list) -> None:
+        pass
+
+    def check_now(self) -> None:
+        pass
+
+
+def zerodp3_without_gather_check(model: nn.Module) -> Runner:
+    runner = zerodp_stage(model, 3)
+    sharding = runner.forward.sharding  # the engine
+    sharding.shards.ledger = sharding.schedule.ledger = _NoGatherCheck()
+    return runner
+
+
 def deepspeed_stage(model: nn.Module, stage: int) -> Runner:
     import deepspeed
 
@@ -145,6 +169,8 @@ STRATEGIES: dict[str, Callable[[nn.Module], Runner]] = {
     **{f"deepspeed{s}": (lambda m, s=s: deepspeed_stage(m, s)) for s in range(4)},
     # ZeRO++'s quantized collectives (an approximation: its losses are not DDP's)
     "zerodp3_qwz_qgz": lambda m: zerodp_stage(m, 3, zero_quantized_weights=True, zero_quantized_gradients=True),
+    # stage 3 without its gather check: only to measure the check's cost (bench/gather_check_cost.py)
+    "zerodp3_nocheck": zerodp3_without_gather_check,
 }
 
 # Which peers answer which ZeRO stage (for the ratio columns).

@@ -12,10 +12,11 @@ from . import optim  # noqa: E402
 from .config import ZeroConfig, load_config
 from .checkpoint import consolidate_checkpoint, consolidate_tensor_parallel, save_consolidated
 from .engine.zero_engine import ZeroEngine, initialize
-from .errors import CheckpointError, ConfigError, DivergenceError, NonFiniteError, PartitionedParameterError
+from .errors import CheckpointError, ConfigError, DivergenceError, NonFiniteError, PartitionedParameterError, UnitMismatchError
 from .shard.stage3 import gathered_parameters, init_context
 
 __all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ConfigError", "load_config", "optim"]
-__all__ += ["consolidate_checkpoint", "consolidate_tensor_parallel", "save_consolidated", "CheckpointError", "NonFiniteError", "DivergenceError"]
+__all__ += ["consolidate_checkpoint", "consolidate_tensor_parallel", "save_consolidated", "CheckpointError", "NonFiniteError", "DivergenceError",
+            "UnitMismatchError"]
 __all__ += ["gathered_parameters", "init_context", "PartitionedParameterError"]
 __version__ = "0.1.0"

@@ -37,3 +37,8 @@ class NonFiniteError(FloatingPointError):
 
 class DivergenceError(RuntimeError):
     """Ranks were about to issue different collectives (debug_sync); the message says which."""
+
+
+class UnitMismatchError(DivergenceError):
+    """Stage 3: ranks gathered different units at the same point (stage3/gather_ledger.py); the message names
+    each rank's module and the fix."""

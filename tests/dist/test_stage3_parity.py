@@ -233,7 +233,7 @@ CASES = {
                      {"stage3_unit_modules": ["Block", "Embedding"], "stage3_param_persistence_threshold": 20}),
     # the stage 0-2 parity model: a frozen layer, a never-called layer, a 1-D gain, two param groups
     "parity_net": Case(common.make_model, common.global_batch, mse, {"stage3_unit_min_params": 100}),
-    # per-parameter trust ratios computed from flat shards of several parameters (optim/shard_norms.py)
+    # per-parameter trust ratios computed from flat shards of several parameters (optimizers/shard_norms.py)
     "parity_net_lamb": Case(common.make_model, common.global_batch, mse, {"stage3_unit_min_params": 100},
                             optimizer=lambda m: common.make_optimizer("lamb", m)),
     "parity_net_larc": Case(common.make_model, common.global_batch, mse, {"stage3_unit_min_params": 100},

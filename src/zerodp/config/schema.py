@@ -101,7 +101,11 @@ class ZeroOptimizationConfig(StrictModel):
                              "was doing. A debugging aid: one extra collective per collective. Also "
                              "ZERODP_DEBUG_SYNC=1.")
     stage3_unit_min_params: int = Field(100_000, ge=0, description="Stage 3 auto-wrap: a module with at least "
-                                        "this many parameters (not counting its sub-units) becomes a unit.")
+                                        "this many parameters (not counting its sub-units) becomes a unit. Left "
+                                        "unset, the model's repeated blocks (HF's _no_split_modules, else the class "
+                                        "in its largest ModuleList) are never split, so a module called only for "
+                                        "some inputs (an MoE expert) is never a unit of its own (docs/moe.md); set, "
+                                        "the size alone decides.")
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig, description="ZeRO-"
                                                       "Offload / ZeRO-Infinity: optimizer state in host memory or files.")
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig, description="Stage 3: "

@@ -1,6 +1,7 @@
 """ZeRO-Offload (cpu) and ZeRO-Infinity (nvme): config, rank folders, file I/O, stores, streamed optimizer state.
 
-Entry point for the engine: `offload.tier.build_optimizer_offload`.
+The engine builds the optimizer-state offload over these stores (engine/optimizer_offload.py); stage 3 its
+parameter and gradient stores (tier.py).
 
 Modules:
     file_io.py          Asynchronous reads and writes of raw tensor bytes: a thread pool of os.preadv / os.pwritev.

@@ -45,6 +45,8 @@ this class never asks what is offloaded.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from enum import Enum, auto
 from typing import AbstractSet, Optional
@@ -101,6 +103,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         masters_home = self.placement.masters
         self.masters: list[torch.Tensor] = []
         self.chunks: list[list[torch.Tensor]] = []
+        self._chunk_starts: dict[int, tuple] = {}  # master index -> (its chunk list, the chunks' offsets): _chunk_ranges
         for unit in units:
             with unit.resident():
                 if self.placement.masters_are_shards:
@@ -154,14 +157,20 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         maybe_bind(self.optimizer, segments, slot, self.process_group, self.sharded)
 
     def _chunk_ranges(self, index: int, lo: int, hi: int):
-        """(chunk, chunk slice, master slice) for the chunks of master `index` overlapping [lo, hi)."""
-        start = 0
-        for chunk in self.chunks[index]:
-            end = start + chunk.numel()
-            a, b = max(lo, start), min(hi, end)
+        """(chunk, chunk slice, master slice) for the chunks of master `index` overlapping [lo, hi). A binary search
+        over the chunks' offsets: a 64-expert MoE's step asks this for thousands of parameter segments."""
+        chunks = self.chunks[index]
+        cached = self._chunk_starts.get(index)
+        if cached is None or cached[0] is not chunks or len(cached[1]) != len(chunks) + 1:
+            cached = (chunks, list(itertools.accumulate((c.numel() for c in chunks), initial=0)))
+            self._chunk_starts[index] = cached
+        starts = cached[1]
+        k = bisect.bisect_right(starts, lo) - 1
+        while k < len(chunks) and starts[k] < hi:
+            a, b = max(lo, starts[k]), min(hi, starts[k + 1])
             if a < b:
-                yield chunk, slice(a - start, b - start), slice(a, b)
-            start = end
+                yield chunks[k], slice(a - starts[k], b - starts[k]), slice(a, b)
+            k += 1
 
     def _resident(self, index: int, read: bool = True, write: bool = True):
         """Hold master `index`'s optimizer state in `optimizer.state` for a block (`read`: its stored
@@ -303,11 +312,22 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         """One step of the inner optimizer over the chunks with a .grad (`only`: their ids, None: all): the
         parameters without a gradient are left as torch leaves them, the `late` ones then stepped with their own
         counts (step_counts.py)."""
+        sliced = self.step_counts.sliced_chunks(self, received, only)  # [Note: sliced chunks] in step_counts.py
+        if sliced:  # stepped after, slice by slice: hidden from the chunk step (torch skips a tensor without .grad)
+            hidden = [(chunk, chunk.grad) for _, chunk, _ in sliced.values()]
+            for chunk, _ in hidden:
+                chunk.grad = None
+            rest = {id(c) for chunks in self.chunks for c in chunks if id(c) not in sliced}
+            only = rest if only is None else only & rest
         restore = self._snapshot_untouched(received, only, late)
         self.optimizer.step()
         self._restore_untouched(restore)
         if late:
             self.step_counts.step_late(self, late, only)
+        if sliced:
+            for chunk, grad in hidden:
+                chunk.grad = grad
+            self.step_counts.step_sliced(self, sliced)
 
     # -- parameters without a gradient ---------------------------------------------------------
 
@@ -325,6 +345,8 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             offset += n
             if (bool(flags.all()) and not mine) or self.whole[index]:
                 continue  # whole tensors: the parameter's .grad is None, torch skips it
+            if only is not None and not any(id(c) in only for c in self.chunks[index]):
+                continue  # none of its chunks is stepped here (another window, or stepped slice by slice)
             for seg in unit.layout.segments(unit.shard_index):
                 if flags[seg.param_index] and seg.param_index not in mine:
                     continue

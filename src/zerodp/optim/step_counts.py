@@ -108,6 +108,67 @@ class StepCounts:
                 k = sharded.group_indices.index(unit.group_index)
                 self._step_slices(owners[k], inner_groups[k], sharded.optimizer.state, slices)
 
+    # -- chunks stepped slice by slice ([Note: sliced chunks]) -----------------------------------
+
+    def sliced_chunks(self, sharded, received: Optional[torch.Tensor], only: Optional[set] = None) -> dict:
+        """[Note: sliced chunks] The chunks of counted units (`only`: ids, None: all) holding a parameter that got no
+        gradient or is late, once their state exists: id(chunk) -> (unit index, chunk, [(chunk slice, count)]) for
+        their parameters that got a gradient, adjacent ones with the same count merged. Stepping those slices alone
+        (`step_sliced`) is torch's update for each of them and leaves the others as torch leaves a parameter without
+        .grad, with no snapshot and restore of the untouched ones: a 64-expert MoE's step then costs about what
+        the routed experts cost. A chunk with no state yet (its first step) goes the snapshot way
+        (optim/optimizer.py), which creates its state. Host lists only: nothing is read from the device."""
+        if not any(self.counted):
+            return {}
+        flags = received.tolist() if received is not None else None
+        plan = {}
+        for index, unit in enumerate(self.units):
+            if not self.counted[index]:
+                continue
+            lo, hi = self.offsets[index], self.offsets[index + 1]
+            chunk_count = self.chunk_steps[index]
+            if all((flags is None or flags[i]) and self.counts[i] == chunk_count for i in range(lo, hi)):
+                continue  # the whole chunk steps with its count: the inner optimizer's own step
+            per_chunk: dict[int, list] = {}
+            for seg in unit.layout.segments(unit.shard_index):
+                i = lo + seg.param_index
+                for chunk, csl, _ in sharded._chunk_ranges(index, seg.shard_start, seg.shard_start + seg.numel):
+                    if only is not None and id(chunk) not in only:
+                        continue
+                    slices = per_chunk.setdefault(id(chunk), [chunk])
+                    if flags is not None and not flags[i]:
+                        continue
+                    last = slices[-1] if len(slices) > 1 else None
+                    if last is not None and last[1] == self.counts[i] and last[0].stop == csl.start:
+                        slices[-1] = (slice(last[0].start, csl.stop), last[1])
+                    else:
+                        slices.append((csl, self.counts[i]))
+            for key, (chunk, *slices) in per_chunk.items():
+                if "step" in sharded.optimizer.state.get(chunk, {}):
+                    plan[key] = (index, chunk, slices)
+        return plan
+
+    @torch.no_grad()
+    def step_sliced(self, sharded, plan: dict) -> None:
+        """Step `plan`'s slices (`sliced_chunks`), each with its count, then advance each chunk's own `step` as the
+        inner optimizer's step would have (the chunk count stays the chunk's `step`: loaded_chunk_state)."""
+        owners = members(sharded.optimizer)
+        inner_groups = sharded.optimizer.param_groups
+        by_group: dict[int, list] = {}
+        for index, chunk, slices in plan.values():
+            k = sharded.group_indices.index(self.units[index].group_index)
+            by_group.setdefault(k, []).extend((chunk, csl, count) for csl, count in slices)
+        for k, slices in by_group.items():
+            if slices:
+                self._step_slices(owners[k], inner_groups[k], sharded.optimizer.state, slices)
+        for _, chunk, _ in plan.values():
+            state = sharded.optimizer.state[chunk]
+            step = state["step"]
+            if torch.is_tensor(step):
+                step.add_(1)
+            else:
+                state["step"] = step + 1
+
     @staticmethod
     def _step_slices(member, group: dict, states, slices: list) -> None:
         """One temporary optimizer (same class and group options) over `slices`, each with its count. The slices are

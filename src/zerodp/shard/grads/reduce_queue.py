@@ -16,6 +16,8 @@ The control collective (one small MAX all-reduce, note: a sync point) carries, p
 reduction rounds it needs this micro-step (rounds already launched, plus one if gradients arrived
 after the last launch), and at an accumulation boundary one flag per parameter: whether it got a
 gradient on any rank since the last optimizer step (the optimizer leaves the others untouched).
+At stage 3 it also carries the digest of the micro-step's gathers (an `Agreement`, verified before
+any round runs: [Note: mixed gathers] in stage3/gather_ledger.py), at no extra collective.
 
 Policy (`reduce_all`): stages 0-2 reduce every bucket at every reducing micro-step, gradient or not,
 as DDP does, so their remaining buckets are launched before the control collective; stage 3 skips
@@ -38,7 +40,7 @@ local counts are the answer, and no tensor is built, sent or read.
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,15 @@ def control_device(group: comm.ProcessGroup, device: torch.device) -> torch.devi
     "cpu:gloo,cuda:nccl"), so that agreeing waits for the other ranks' hosts and not for this rank's GPU
     ([Note: the control collective's one read]); else `device` (NCCL alone reduces CUDA tensors only)."""
     return torch.device("cpu") if comm.gloo_serves_cpu(comm.backend_name(group)) else torch.device(device)
+
+
+class Agreement(Protocol):
+    """Values some other part wants every rank to agree on, carried by the control collective (MAX-reduced):
+    stage 3's gather check (stage3/gather_ledger.py)."""
+
+    def settle(self) -> list[float]: ...
+
+    def verify(self, reduced: list[float]) -> None: ...
 
 
 class ReduceQueue:
@@ -98,11 +109,13 @@ class ReduceQueue:
             self._launch(g)
             self._next += 1
 
-    def finish(self, boundary: bool, units: list[GradShard]) -> Optional[torch.Tensor]:
+    def finish(self, boundary: bool, units: list[GradShard],
+               agreement: Optional[Agreement] = None) -> Optional[torch.Tensor]:
         """After backward: run every remaining round on every rank and wait for all of them.
 
         At an accumulation boundary, returns per-parameter flags (`units` concatenated, in their
         order) saying whether the parameter got a gradient on any rank since the last step.
+        `agreement`: its values ride in the control collective and are verified before any round runs.
         """
         order = self.order
         if self.reduce_all:
@@ -116,12 +129,19 @@ class ReduceQueue:
             # device, so nothing is read back from it ([Note: the control collective's one read]).
             target = need
             agreed = (torch.cat(received) if received else torch.zeros(0, dtype=torch.bool)) if boundary else None
+            if agreement is not None:
+                agreement.verify(agreement.settle())  # alone: agrees with itself
         else:
-            flags = torch.cat([torch.tensor(need, dtype=torch.float32)] + [r.float() for r in received])
+            extra = agreement.settle() if agreement is not None else []
+            flags = torch.cat([torch.tensor(need, dtype=torch.float32)] + [r.float() for r in received]
+                              + [torch.tensor(extra, dtype=torch.float32)])
             flags = flags.to(self.device)
             comm.all_reduce(flags, self.process_group, op=dist.ReduceOp.MAX, tag="control")
             # note: a sync point, the step's only one in this method ([Note: the control collective's one read])
-            values = [int(v) for v in flags.tolist()]
+            read = flags.tolist()
+            if agreement is not None:  # before any round: a mismatch stops every rank here, all together
+                agreement.verify(read[len(read) - len(extra):])
+            values = [int(v) for v in read[:len(read) - len(extra)]]
             target = values[:len(order)]
             agreed = torch.tensor(values[len(order):], dtype=torch.bool) if boundary else None
         for round_ in range(1, max(target, default=0) + 1):  # round-major: the same sequence on every rank

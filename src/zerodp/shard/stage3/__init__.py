@@ -3,11 +3,13 @@
     strategy.py    Stage3Sharding: what the engine drives (seams.ShardingStrategy); the gradient path
     partition.py   build_stage3_sharding: module units and flat units from a model
     wrap.py        which modules become module units and which one holds each parameter
+    blocks.py      the model's repeated blocks, which the default unit policy never splits
     module_unit.py ModuleUnit: the forward/backward hooks that gather and release; TrainingState
     schedule.py    Schedule: the pass running, the forward stack, recorded order, prefetch trigger
     prefetch.py    the recorded execution order and the prefetch budget
     flat_unit.py   FlatUnit: one flat, sharded buffer of parameters (what the optimizer steps)
     shard_group.py ShardGroup: the two communicators, CUDA streams, live-memory counters
+    gather_ledger.py GatherLedger: every rank gathered the same units in the same order (checked each step)
     params.py      PartitionedParameter: what a parameter is while only its shard exists
     gathered.py    gathered_parameters: full parameters outside forward
     init_context.py  init_context: parameters partitioned as the model is built

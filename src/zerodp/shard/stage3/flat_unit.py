@@ -114,6 +114,7 @@ class FlatUnit:
             self._reduce, keep_full=False, name=f"{module_name}[{index}]",
             home=None if persistent or whole_tensors else grad_home, round_views=round_views) if trainable else None
         self._gather_handle = None
+        shards.ledger.register(index, f"'{module_name}' (flat unit {index}, {self.layout.numel} elements)")
         self.secondary_shard: Optional[torch.Tensor] = None  # hpZ: see [Note: secondary shards]
         # where param_shard's storage lives between uses ([Note: a unit owns its residency])
         self.param_home = param_home if param_home is not None else NullShardStore()
@@ -181,6 +182,7 @@ class FlatUnit:
         """Start gathering the full parameters (no-op when gathered or in flight)."""
         if self.state is not ShardState.SHARDED:
             return
+        self.shards.ledger.record(self.index)  # [Note: mixed gathers] in gather_ledger.py
         if self.secondary_shard is not None:  # hpZ: the same values, gathered inside the block
             self._gather_handle = self.shards.unshard(self.gathered.tensor, self.secondary_shard, what=self.describe(),
                                                       secondary=True)

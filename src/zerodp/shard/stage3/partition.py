@@ -27,7 +27,7 @@ from .params import owner_of
 from .schedule import Schedule
 from .shard_group import ShardGroup
 from .strategy import Stage3Sharding
-from .wrap import choose_unit_modules, plan_units
+from .wrap import plan_units, units_for
 
 
 def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], config: ZeroConfig,
@@ -67,7 +67,7 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     shards = ShardGroup(process_group, params[0].device, use_all_reduce=not zero.reduce_scatter,
                         quantized_weights=zero.zero_quantized_weights, quantized_gradients=zero.zero_quantized_gradients,
                         secondary=secondary, replicated=replicated)
-    plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
+    plans = plan_units(model, units_for(model, zero))
     threshold = zero.stage3_param_persistence_threshold
     # offload_param: where sharded units' parameter shards live between uses (a null store: with the unit)
     param_home = build_param_offload(config, sum(p.numel() for p in params), params[0].element_size(),

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 from .flat_unit import FlatUnit, ShardState
 from .inference_cache import InferenceCache, is_inference_forward
 from .prefetch import ExecutionOrder, Pass, Prefetcher
@@ -35,6 +37,7 @@ class Schedule:
         self.order = ExecutionOrder()
         self.prefetcher = Prefetcher(self.order, prefetch_numel, max_live_numel, shards)
         self.inference = inference
+        self.ledger = shards.ledger  # the gathers to check at the end of a forward no backward follows
         self.in_backward = False
         self._stack: list["ModuleUnit"] = []
 
@@ -64,6 +67,8 @@ class Schedule:
         if not self._stack and not self.in_backward and unit.is_root:
             self.order.finish(Pass.FORWARD)
             self.reshard_unheld()  # prefetches the forward did not use
+            if not torch.is_grad_enabled():  # no backward (and its control collective) will check these gathers
+                self.ledger.check_now()      # [Note: mixed gathers] in gather_ledger.py
 
     def keep_after_forward(self, unit: "ModuleUnit") -> None:
         """`unit`'s inference forward ends: the cache may keep its flat units gathered (before their release)."""

@@ -41,6 +41,8 @@ import torch
 from ... import comm
 from ...comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ...host_memory import alloc_storage
+from ..grads.reduce_queue import control_device
+from .gather_ledger import GatherLedger
 from .hpz import SecondaryGroup
 from .mics import ReplicatedShards, all_gather_in_two_hops, close_replicated_shards
 
@@ -103,6 +105,8 @@ class ShardGroup:
         self.gather_wait_s = 0.0  # seconds the host has blocked waiting for gathers (profiling, the offload bench)
         self.live_numel = 0       # elements of gathered buffers allocated right now (persistent units excluded)
         self.peak_live_numel = 0
+        # every gather issued on this group, checked to match on every rank ([Note: mixed gathers])
+        self.ledger = GatherLedger(self.control_group, control_device(self.control_group, device))
 
     def unshard(self, full: torch.Tensor, shard: torch.Tensor, what: str = "", ranges=None, secondary: bool = False):
         """Allocate `full` and all-gather every rank's `shard` into it; returns a handle to wait on.

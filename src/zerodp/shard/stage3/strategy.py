@@ -166,7 +166,8 @@ class Stage3Sharding:
         At an accumulation boundary, returns per-parameter flags (units in order, layout order inside)
         saying whether the parameter got a gradient on any rank since the last step; None otherwise.
         """
-        received = self.queue.finish(boundary, [f.grads for f in self.units])
+        # the control collective also settles this step's gathers ([Note: mixed gathers] in gather_ledger.py)
+        received = self.queue.finish(boundary, [f.grads for f in self.units], agreement=self.shards.ledger)
         self.shards.sync_all()
         for mu in self.module_units:
             mu.end_backward()

@@ -1,8 +1,12 @@
 """Which modules become units, and which unit holds each parameter. No tensors move here.
 
-Unit modules: those whose class name is in `stage3_unit_modules`, or else (auto-wrap, as VISSL's
-FSDP wrapping does) every module that holds at least `stage3_unit_min_params` parameter elements
-not already claimed by a unit below it. The root is always a unit: it takes whatever is left.
+Unit modules: those whose class name is in `stage3_unit_modules` (also what `set_z3_leaf_modules`
+sets), or else (auto-wrap, as VISSL's FSDP wrapping does) every module that holds at least
+`stage3_unit_min_params` parameter elements not already claimed by a unit below it. By default
+(`stage3_unit_min_params` left unset) the model's repeated blocks (blocks.py) are atomic in that
+walk: a block is a unit or part of the one around it, and nothing inside it is a unit, so a module
+called only for some inputs (an expert) is never gathered on its own. Set explicitly, the threshold
+alone decides, as before. The root is always a unit: it takes whatever is left.
 
 A parameter is held by the innermost unit around the module that registers it. A parameter
 registered by several modules (tied weights: `lm_head.weight is wte.weight`) is held by the
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ...config import ConfigError
+from .blocks import repeated_block_classes
 
 
 @dataclass
@@ -30,8 +35,16 @@ class UnitPlan:
     names: list[str] = field(default_factory=list)
 
 
-def choose_unit_modules(model: nn.Module, class_names: list[str], min_params: int) -> list[tuple[str, nn.Module]]:
-    """The unit modules, root first, in `model.named_modules()` order."""
+def units_for(model: nn.Module, zero) -> list[tuple[str, nn.Module]]:
+    """The unit modules `zero` (a `zero_optimization` config) asks for; see the module docstring."""
+    keep_blocks_whole = "stage3_unit_min_params" not in zero.model_fields_set
+    return choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params, keep_blocks_whole)
+
+
+def choose_unit_modules(model: nn.Module, class_names: list[str], min_params: int,
+                        keep_blocks_whole: bool = False) -> list[tuple[str, nn.Module]]:
+    """The unit modules, root first, in `model.named_modules()` order. `keep_blocks_whole`: the auto-wrap
+    never goes inside the model's repeated blocks (blocks.py)."""
     named = list(model.named_modules())
     if class_names:
         present = {type(m).__name__ for _, m in named}
@@ -41,18 +54,27 @@ def choose_unit_modules(model: nn.Module, class_names: list[str], min_params: in
                               f"of that class; classes present: {', '.join(sorted(present))}")
         chosen = {id(m) for _, m in named if type(m).__name__ in class_names}
     else:
-        chosen = _auto_wrap(model, min_params)
+        chosen = _auto_wrap(model, min_params, repeated_block_classes(model) if keep_blocks_whole else set())
     chosen.add(id(model))
     return [(name, m) for name, m in named if id(m) in chosen]
 
 
-def _auto_wrap(model: nn.Module, min_params: int) -> set[int]:
+def _auto_wrap(model: nn.Module, min_params: int, blocks: set[str]) -> set[int]:
     chosen: set[int] = set()
     unclaimed: dict[int, int] = {}
 
     def visit(m: nn.Module) -> int:
         if id(m) in unclaimed:  # a module reachable twice is counted once
             return 0
+        if m is not model and type(m).__name__ in blocks:  # atomic: a unit, or part of the one around it
+            for inner in m.modules():
+                unclaimed.setdefault(id(inner), 0)
+            total = sum(p.numel() for p in m.parameters())
+            if total > 0 and total >= min_params:
+                chosen.add(id(m))
+                total = 0
+            unclaimed[id(m)] = total
+            return total
         own = sum(p.numel() for p in m._parameters.values() if p is not None)
         below = sum(visit(c) for c in m.children())
         total = own + below

@@ -48,14 +48,14 @@ def module_shape(model, config: ZeroConfig, activation_bytes: float = 0.0,
 
     `unit_activation_share`: the part of `activation_bytes` saved inside the units below the root
     (default: their share of the parameters)."""
-    from ...shard.stage3.wrap import choose_unit_modules, plan_units
+    from ...shard.stage3.wrap import plan_units, units_for
 
     zero = config.zero_optimization
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     if not numel:
         raise ValueError("the model has no trainable parameters")
-    plans = plan_units(model, choose_unit_modules(model, zero.stage3_unit_modules, zero.stage3_unit_min_params))
+    plans = plan_units(model, units_for(model, zero))
     threshold = zero.stage3_param_persistence_threshold
     sharded = [sum(p.numel() for p in plan.params if p.requires_grad and p.numel() >= threshold) for plan in plans]
     persistent = sum(p.numel() for p in params if p.numel() < threshold)
