@@ -97,8 +97,12 @@ class ZeroEngine:
         self.placement = placement_of(config, model_device(model))
         # the optimizer resolved and checked, the model made the same on every rank and cast, its parameters laid
         # out by the configured stage's strategy (sharding.py)
-        user_opt, self.autocast, self.sharding = build_sharding(model, optimizer, config, process_group,
-                                                                self.precision, self.world_size, self.placement)
+        user_opt, self.autocast, self.sharding, expert_norm = build_sharding(
+            model, optimizer, config, process_group, self.precision, self.world_size, self.placement)
+        self.expert_parallel = expert_norm is not None  # MoE layers with experts split over ranks (moe/)
+        if expert_norm is not None and mpu is not None:
+            raise ConfigError("expert-parallel MoE layers beside tensor parallelism (mpu=) are not implemented; "
+                              "train the MoE model without mpu")
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group, self.placement)  # or None
@@ -106,7 +110,7 @@ class ZeroEngine:
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            placement=self.placement, model_parallel=model_parallel_norm(mpu, model))
+            placement=self.placement, model_parallel=expert_norm or model_parallel_norm(mpu, model))
         self.optimizer.late_starters.param_names = self.param_names  # to name them (optim/late_starters.py)
         # DeepSpeed's `scheduler` section or the caller's own schedule, stepped after every optimizer step taken
         self._lr_scheduler = None if config.scheduler is None else \
@@ -317,6 +321,7 @@ class ZeroEngine:
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
         """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path."""
+        self._refuse_expert_checkpoint("save_checkpoint")
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
         def save(root):
@@ -326,6 +331,7 @@ class ZeroEngine:
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
         `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
+        self._refuse_expert_checkpoint("load_checkpoint")
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
         if self.mpu is not None:  # each tensor-parallel rank reads its own directory (checkpoint/tensor_parallel.py)
@@ -345,9 +351,16 @@ class ZeroEngine:
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
+        self._refuse_expert_checkpoint("full_state_dict")
         self.sync_written_shards()
         with self.sharding.all_resident():  # offload_param: full_state_dict reads every shard at once
             return full_state_dict(self, rank0_only=rank0_only)
+
+    def _refuse_expert_checkpoint(self, what: str) -> None:
+        if self.expert_parallel:
+            raise NotImplementedError(f"engine.{what} with expert-parallel MoE layers is not implemented yet (each "
+                                      f"rank holds other experts; docs/moe_ep.md); save the model's state_dict per "
+                                      f"rank (torch.save) until it is")
 
     # -- teardown -------------------------------------------------------------------------------
 

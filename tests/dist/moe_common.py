@@ -1,0 +1,153 @@
+"""Shared pieces of the expert-parallel MoE tests: a tiny MoE model, its expert-parallel copy, and the
+single-process reference holding every expert.
+
+The reference is the same model with ep_size=1 in one process, fed the global batch as the ranks' chunks
+(micro-step, then rank), each chunk gated on its own (the gate's capacity and load-balancing loss are
+per rank's tokens, as on the ranks), the loss the mean over the chunks: this is the single-process model
+the distributed run must equal. An expert no chunk routed a token to gets no gradient (None), so AdamW
+skips it, as torch does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zerodp
+from zerodp.moe import MoE
+from tests.dist.common import IN, OUT, make_optimizer, micro_batch
+
+HID = 10
+NUM_EXPERTS = 8
+AUX_WEIGHT = 0.1  # the load-balancing loss joins the task loss, so the gate's gradient carries it
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(HID, 2 * HID)
+        self.w2 = nn.Linear(2 * HID, HID)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class MoENet(nn.Module):
+    def __init__(self, ep_size: int, **moe_options) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, HID)
+        self.moe = MoE(HID, Expert(), num_experts=NUM_EXPERTS, ep_size=ep_size, **moe_options)
+        self.out = nn.Linear(HID, OUT)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        m, l_aux, _ = self.moe(h)
+        return self.out(h + m), l_aux
+
+
+def full_model(**moe_options) -> MoENet:
+    """The single-process model: every expert, each with its own weights; a gate sharp enough that some
+    experts get no token on some steps."""
+    torch.manual_seed(0)
+    model = MoENet(1, **moe_options)
+    with torch.no_grad():
+        for g, expert in enumerate(model.moe.moe.experts):
+            gen = torch.Generator().manual_seed(100 + g)
+            for p in expert.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        model.moe.moe.gate.wg.weight.mul_(6.0)
+    return model
+
+
+def expert_key(key: str, ep_rank: int, num_local: int) -> str:
+    """A local expert's state-dict key under the single-process model's name (its global expert index)."""
+    marker = "moe.moe.experts."
+    if not key.startswith(marker):
+        return key
+    local, rest = key[len(marker):].split(".", 1)
+    return f"{marker}{ep_rank * num_local + int(local)}.{rest}"
+
+
+def ep_model(ep_size: int, ep_rank: int, **moe_options) -> MoENet:
+    """The expert-parallel copy of `full_model` for expert-parallel rank `ep_rank`: its experts are the global ones."""
+    full = full_model(**moe_options).state_dict()
+    model = MoENet(ep_size, **moe_options)
+    num_local = NUM_EXPERTS // ep_size
+    model.load_state_dict({k: full[expert_key(k, ep_rank, num_local)] for k in model.state_dict()})
+    return model
+
+
+def loss_of(model, x, y):
+    out, l_aux = model(x)
+    return F.mse_loss(out, y) + AUX_WEIGHT * l_aux
+
+
+def reference_run(steps: int, world: int, micro_bs: int, gas: int, clip: float, **moe_options):
+    """Losses, final parameters, and per step the experts that got no gradient (module docstring)."""
+    model = full_model(**moe_options)
+    opt = make_optimizer("adamw", model)
+    losses, unused = [], []
+    for step in range(steps):
+        chunks = [loss_of(model, *micro_batch(step, micro, rank, world, micro_bs, gas))
+                  for micro in range(gas) for rank in range(world)]
+        total = torch.stack(chunks).mean()
+        total.backward()
+        unused.append([g for g, e in enumerate(model.moe.moe.experts) if e.w1.weight.grad is None])
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, unused
+
+
+def zerodp_run(config: dict, ep_size: int, steps: int, micro_bs: int, **moe_options):
+    """This rank's global-mean losses and its parameters under the single-process model's names."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ep_rank = rank % ep_size  # consecutive expert-parallel groups: {0..P-1}, {P..2P-1}, ...
+    model = ep_model(ep_size, ep_rank, **moe_options)
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), config)
+    try:
+        gas = engine.gradient_accumulation_steps
+        losses = []
+        for step in range(steps):
+            total = torch.zeros(1)
+            for micro in range(gas):
+                loss = loss_of(engine, *micro_batch(step, micro, rank, world, micro_bs, gas))
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach()
+            dist.all_reduce(total)
+            losses.append(total.item() / (world * gas))
+        num_local = NUM_EXPERTS // ep_size
+        params = {expert_key(k, ep_rank, num_local): v.detach().clone() for k, v in model.state_dict().items()}
+        return losses, params, engine.grad_norm
+    finally:
+        engine.close()
+
+
+def refusals_run(micro_bs: int) -> list[str]:
+    """What is not implemented yet says so: stage 3 at initialize, checkpoints at their call."""
+    import pytest
+
+    rank = dist.get_rank()
+    said = []
+    model = ep_model(2, rank % 2)
+    with pytest.raises(zerodp.ConfigError, match="stage 3 is not implemented"):
+        zerodp.initialize(model, make_optimizer("adamw", model), {"train_micro_batch_size_per_gpu": micro_bs,
+                                                                    "zero_optimization": {"stage": 3}})
+    said.append("stage 3")
+    model = ep_model(2, rank % 2)
+    engine = zerodp.initialize(model, make_optimizer("adamw", model), {"train_micro_batch_size_per_gpu": micro_bs,
+                                                                         "zero_optimization": {"stage": 2}})
+    try:
+        for call in (lambda: engine.save_checkpoint("/nonexistent"), lambda: engine.load_checkpoint("/nonexistent"),
+                     engine.full_state_dict):
+            with pytest.raises(NotImplementedError, match="expert-parallel MoE"):
+                call()
+        said.append("checkpoints")
+    finally:
+        engine.close()
+    return said
