@@ -35,21 +35,28 @@ from .. import comm
 from .all_to_all import all_to_all
 from .gating import TopKGate
 
-# parameter -> the ep_size of the layer whose expert it is (weak: a dropped model leaves nothing behind)
-_EXPERT_PARAMETERS: "weakref.WeakKeyDictionary[nn.Parameter, int]" = weakref.WeakKeyDictionary()
+# id(parameter) -> (a weak reference to it, the ep_size of the layer whose expert it is). By identity, not a
+# WeakKeyDictionary: that compares colliding keys with ==, which a tensor answers elementwise. The reference's
+# callback drops the entry when the parameter dies, so a dropped model leaves nothing behind.
+_EXPERT_PARAMETERS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _register(param: nn.Parameter, ep_size: int) -> None:
+    key = id(param)
+    _EXPERT_PARAMETERS[key] = (weakref.ref(param, lambda _ref: _EXPERT_PARAMETERS.pop(key, None)), ep_size)
 
 
 def is_expert_parameter(param: torch.Tensor) -> bool:
     """Whether `param` belongs to an expert of a `MoELayer` (sharded over the expert-data-parallel group)."""
-    try:
-        return param in _EXPERT_PARAMETERS
-    except TypeError:
-        return False
+    entry = _EXPERT_PARAMETERS.get(id(param))
+    return entry is not None and entry[0]() is param
 
 
 def expert_ep_size(param: torch.Tensor) -> int:
     """The ep_size of the layer whose expert `param` is."""
-    return _EXPERT_PARAMETERS[param]
+    if not is_expert_parameter(param):
+        raise KeyError("not a parameter of a MoE layer's experts")
+    return _EXPERT_PARAMETERS[id(param)][1]
 
 
 class MoELayer(nn.Module):
@@ -69,7 +76,7 @@ class MoELayer(nn.Module):
         self.l_aux: Optional[torch.Tensor] = None
         self.exp_counts: Optional[torch.Tensor] = None
         for p in self.expert_parameters():
-            _EXPERT_PARAMETERS[p] = ep_size
+            _register(p, ep_size)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """This rank's experts' parameters (sharded over the expert-data-parallel group)."""

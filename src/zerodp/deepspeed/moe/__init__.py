@@ -1,4 +1,4 @@
-"""`deepspeed.moe`: the parameter-group helper dense scripts call; DeepSpeed's MoE layers are refused."""
+"""`deepspeed.moe`: DeepSpeed's MoE layer (layer.py) and its parameter helpers (utils.py), on zerodp.moe."""
 
 from . import layer, utils
 
