@@ -47,9 +47,10 @@ class MoENet(nn.Module):
         return self.out(h + m), l_aux
 
 
-def full_model(**moe_options) -> MoENet:
+def full_model(second_half_unreachable: bool = False, **moe_options) -> MoENet:
     """The single-process model: every expert, each with its own weights; a gate sharp enough that some
-    experts get no token on some steps."""
+    experts get no token on some steps. `second_half_unreachable`: the gate's rows of experts E/2.. are copies
+    of expert 0's, so at the first step they never win (argmax takes the first of equal values)."""
     torch.manual_seed(0)
     model = MoENet(1, **moe_options)
     with torch.no_grad():
@@ -57,7 +58,10 @@ def full_model(**moe_options) -> MoENet:
             gen = torch.Generator().manual_seed(100 + g)
             for p in expert.parameters():
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-        model.moe.moe.gate.wg.weight.mul_(6.0)
+        wg = model.moe.moe.gate.wg.weight
+        wg.mul_(6.0)
+        if second_half_unreachable:
+            wg[NUM_EXPERTS // 2:] = wg[0]
     return model
 
 
@@ -70,9 +74,9 @@ def expert_key(key: str, ep_rank: int, num_local: int) -> str:
     return f"{marker}{ep_rank * num_local + int(local)}.{rest}"
 
 
-def ep_model(ep_size: int, ep_rank: int, **moe_options) -> MoENet:
+def ep_model(ep_size: int, ep_rank: int, second_half_unreachable: bool = False, **moe_options) -> MoENet:
     """The expert-parallel copy of `full_model` for expert-parallel rank `ep_rank`: its experts are the global ones."""
-    full = full_model(**moe_options).state_dict()
+    full = full_model(second_half_unreachable, **moe_options).state_dict()
     model = MoENet(ep_size, **moe_options)
     num_local = NUM_EXPERTS // ep_size
     model.load_state_dict({k: full[expert_key(k, ep_rank, num_local)] for k in model.state_dict()})

@@ -20,8 +20,8 @@ def config(stage: int, gas: int = 1, micro_bs: int = MICRO_BS) -> dict:
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 100}}
 
 
-def check(results, gas: int, options: dict, micro_bs: int = MICRO_BS) -> None:
-    ref_losses, ref_params, unused = reference_run(STEPS, WORLD, micro_bs, gas, CLIP, **options)
+def check(results, gas: int, options: dict, micro_bs: int = MICRO_BS, steps: int = STEPS) -> None:
+    ref_losses, ref_params, unused = reference_run(steps, WORLD, micro_bs, gas, CLIP, **options)
     assert any(unused), "the case must have steps where some expert gets no token"
     for rank, (losses, params, norm) in enumerate(results):
         assert_matches_reference(rank, losses, params, ref_losses, {k: ref_params[k] for k in params})
@@ -40,6 +40,16 @@ def test_ep2_dp2_top2_accumulation_matches_single_process(dist_run, stage):
     # 3 tokens per rank and micro-step: with 8 experts and top-2, some expert still gets none on some step
     results = dist_run(WORLD, zerodp_run, config(stage, gas=2, micro_bs=3), EP, STEPS, 3, **TOP2)
     check(results, 2, TOP2, micro_bs=3)
+
+
+def test_experts_of_one_rank_without_any_token(dist_run):
+    """At the first step no token reaches ep rank 1's experts (the gate's rows for them copy expert 0's): they run
+    on nothing there, yet every rank's backward runs both all-to-alls ([Note: every rank's backward runs both
+    all-to-alls] in zerodp/moe/layer.py); before that note, this case hung."""
+    options = dict(TOP1, second_half_unreachable=True)
+    ref_unused = reference_run(1, WORLD, MICRO_BS, 1, CLIP, **options)[2][0]
+    assert set(ref_unused) >= {4, 5, 6, 7}, ref_unused
+    check(dist_run(WORLD, zerodp_run, config(2), EP, 4, MICRO_BS, **options), 1, options, steps=4)
 
 
 def test_what_is_not_implemented_is_refused(dist_run):

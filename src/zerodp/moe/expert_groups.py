@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import comm
@@ -43,14 +44,19 @@ class ExpertGroups:
         if ep_size < 1 or world % ep_size:
             raise ConfigError(f"a MoE layer has ep_size={ep_size}, which does not divide the {world} data-parallel "
                               f"ranks; use an ep_size that divides the world size")
+        whole = process_group if process_group is not None else dist.group.WORLD  # a group object, never None
         if world == 1:
-            return cls(ep_size, process_group, process_group)
-        return cls(ep_size, consecutive_groups(ep_size, process_group), strided_groups(ep_size, process_group))
+            return cls(ep_size, whole, whole)
+        # consecutive_groups gives `process_group` itself (None: the default group) where ep_size is the world
+        ep_group = consecutive_groups(ep_size, process_group) if ep_size < world else whole
+        return cls(ep_size, ep_group, strided_groups(ep_size, process_group))
 
     def close(self, process_group: comm.ProcessGroup) -> None:
-        """Destroy the communicators `make` created (every rank, at the engine's close)."""
+        """Destroy the communicators `make` created (every rank, at the engine's close); never the engine's own."""
+        whole = process_group if process_group is not None else dist.group.WORLD
         for group in (self.expert_parallel, self.expert_data_parallel):
-            comm.destroy_group(group, process_group)
+            if group is not whole:
+                comm.destroy_group(group, process_group)
 
 
 @dataclass

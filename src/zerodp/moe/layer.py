@@ -105,6 +105,14 @@ class MoELayer(nn.Module):
         self.l_aux, self.exp_counts = routing.l_aux, routing.exp_counts
         capacity = routing.capacity
         slots = torch.einsum("sec,sm->ecm", routing.dispatch.to(tokens.dtype), tokens)
+        # [Note: every rank's backward runs both all-to-alls] Whether this rank's experts ran (and whether its
+        # tokens need a gradient) differs between ranks; the all-to-alls' backward must not: a rank whose
+        # graph skipped them would leave the others waiting. So whenever anything here trains, the slots and
+        # each expert's output stay in the graph on every rank (an expert without tokens adds zeros).
+        trains = torch.is_grad_enabled() and (tokens.requires_grad or
+                                              any(p.requires_grad for p in self.experts.parameters()))
+        if trains and not slots.requires_grad:
+            slots.requires_grad_()  # a leaf whose gradient is dropped: it only carries backward to the all-to-all
         # which slots hold a token, sent along (no gradient): an expert with none is not called
         filled = all_to_all(routing.dispatch.any(dim=0).to(torch.uint8), self.ep_group, tag="moe slots")
         received = all_to_all(slots, self.ep_group, tag="moe dispatch")
@@ -114,7 +122,7 @@ class MoELayer(nn.Module):
         for i, expert in enumerate(self.experts):
             rows = received[:, i].reshape(-1, model_dim)
             used = filled[:, i].reshape(-1)
-            out = torch.zeros_like(rows)
+            out = rows * 0  # zeros in the graph: see [Note: every rank's backward runs both all-to-alls]
             # note: a host read per expert (whether any slot is filled, and which): the single-process model
             # calls an expert only on the tokens routed to it, and so does this
             index = used.nonzero().squeeze(1)
