@@ -12,9 +12,9 @@ expert keeps its first C tokens in token order (first choices before second choi
     l_aux        the load-balancing loss, over this rank's tokens:  k = 1: E * sum_e mean_s(gates) * frac_e
                  k = 2: E^2 * mean_e(mean_s(gates) * frac_e), frac_e = share of tokens whose FIRST choice is e
 
-Randomness, as DeepSpeed: use_rts (random token selection) chooses which tokens an over-full expert keeps by
-uniform noise from torch's generator (without it: the first in token order; DeepSpeed's topk leaves the
-choice among ties to the kernel), and k = 2 with `top2_2nd_expert_sampling` adds Gumbel noise to the logits
+Randomness, as DeepSpeed: use_rts (random token selection) chooses which tokens an over-full k = 1 expert keeps
+by uniform noise from torch's generator (without it, topk over equal values: which ones is the kernel's
+choice, as in DeepSpeed; k = 2 keeps the first in token order, first choices first), and k = 2 with `top2_2nd_expert_sampling` adds Gumbel noise to the logits
 before the second choice. noisy_gate_policy 'Jitter' scales the gate's input by uniform noise in [1-1e-2,
 1+1e-2], 'RSample' adds Gumbel noise to the logits for the top-1 choice; all only in training.
 """
@@ -54,12 +54,11 @@ def capacity_for(num_tokens: int, num_experts: int, capacity_factor: float, min_
 
 
 def _keep_within_capacity(mask: torch.Tensor, capacity: int, use_rts: bool) -> torch.Tensor:
-    """mask [S, E] 0/1, each column cut to `capacity` tokens: random ones (use_rts) or the first in token order."""
-    if use_rts:
-        noisy = mask * torch.rand(mask.shape, device=mask.device)
-        keep = torch.topk(noisy, k=min(capacity, mask.shape[0]), dim=0).indices
-        return mask * torch.zeros_like(mask).scatter_(0, keep, 1)
-    return mask * (torch.cumsum(mask, dim=0) - 1 < capacity)
+    """mask [S, E] 0/1, each column cut to `capacity` tokens by `topk`: of uniform noise (use_rts), or of the mask
+    itself, where topk's kernel chooses among the equal values (DeepSpeed's call, so the same tokens on one torch)."""
+    scores = mask * torch.rand(mask.shape, device=mask.device) if use_rts else mask
+    keep = torch.topk(scores, k=min(capacity, mask.shape[0]), dim=0).indices
+    return mask * torch.zeros_like(mask).scatter_(0, keep, 1)
 
 
 def _largest_count(counts: torch.Tensor, ep_group: comm.ProcessGroup) -> int:
