@@ -89,22 +89,22 @@ def loss_of(model, x, y):
 
 
 def reference_run(steps: int, world: int, micro_bs: int, gas: int, clip: float, **moe_options):
-    """Losses, final parameters, and per step the experts that got no gradient (module docstring)."""
+    """Losses, final parameters, per step the experts that got no gradient (module docstring), and per step the
+    gradient norm before clipping."""
     model = full_model(**moe_options)
     opt = make_optimizer("adamw", model)
-    losses, unused = [], []
+    losses, unused, norms = [], [], []
     for step in range(steps):
         chunks = [loss_of(model, *micro_batch(step, micro, rank, world, micro_bs, gas))
                   for micro in range(gas) for rank in range(world)]
         total = torch.stack(chunks).mean()
         total.backward()
         unused.append([g for g, e in enumerate(model.moe.moe.experts) if e.w1.weight.grad is None])
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, unused
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, unused, norms
 
 
 def zerodp_run(config: dict, ep_size: int, steps: int, micro_bs: int, **moe_options):
