@@ -350,8 +350,12 @@ class ZeroEngine:
         return resumed.client_state
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
-        """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
-        self._refuse_expert_checkpoint("full_state_dict")
+        """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only.
+        With expert-parallel MoE layers: the single-process model's, every expert under its global index."""
+        if self.expert_parallel:
+            from .moe.consolidate import expert_full_state_dict
+
+            return expert_full_state_dict(self, self.sharding.plan, rank0_only=rank0_only)
         self.sync_written_shards()
         with self.sharding.all_resident():  # offload_param: full_state_dict reads every shard at once
             return full_state_dict(self, rank0_only=rank0_only)

@@ -24,12 +24,15 @@ def check(results, gas: int, options: dict, micro_bs: int = MICRO_BS, steps: int
     ref_losses, ref_params, unused, norms = reference_run(steps, WORLD, micro_bs, gas, CLIP, **options)
     assert any(unused), "the case must have steps where some expert gets no token"
     assert max(norms) > CLIP, "clipping must act on some step, or a wrong norm would go unseen"
-    for rank, (losses, params, norm) in enumerate(results):
+    for rank, (losses, params, norm, full) in enumerate(results):
         assert_matches_reference(rank, losses, params, ref_losses, {k: ref_params[k] for k in params})
+        # engine.full_state_dict: the unsharded single-process model, every expert under its global name
+        assert set(full) == set(ref_params), sorted(set(full) ^ set(ref_params))
+        assert_matches_reference(rank, losses, full, ref_losses, ref_params, "full_state_dict")
     # ranks 0 and 1 hold the 8 experts between them (an expert-parallel group): every parameter was compared
     assert set(results[0][1]) | set(results[1][1]) == set(ref_params)
     # the last step's norm, over dense and expert gradients, is the single-process model's (fp32 summation order)
-    for rank, (_, _, norm) in enumerate(results):
+    for rank, (_, _, norm, _) in enumerate(results):
         assert norm == pytest.approx(norms[-1], rel=1e-5), f"rank {rank}: norm {norm} != {norms[-1]}"
 
 
