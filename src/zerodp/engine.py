@@ -321,9 +321,12 @@ class ZeroEngine:
 
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
         """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path."""
-        self._refuse_expert_checkpoint("save_checkpoint")
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
+        if self.expert_parallel:  # whole tensors named as in the single-process model: moe/checkpoint.py
+            from .moe.checkpoint import save_expert_checkpoint
+
+            return save_expert_checkpoint(self, self.sharding.plan, save_dir, tag, client_state)
         def save(root):
             return save_checkpoint(self, root, tag=tag, client_state=client_state)
         return save(save_dir) if self.mpu is None else tp_save(self.mpu, self.rank, self.module, save_dir, save)
@@ -331,9 +334,14 @@ class ZeroEngine:
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
         `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
-        self._refuse_expert_checkpoint("load_checkpoint")
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
+        if self.expert_parallel:  # any expert-parallel or data-parallel size: moe/checkpoint.py
+            from .moe.checkpoint import load_expert_checkpoint
+
+            client_state = load_expert_checkpoint(self, self.sharding.plan, load_dir, tag, load_lr_scheduler)
+            self.sharding.after_step()  # note: a collective; re-assembles full parameters from the loaded shards
+            return client_state
         if self.mpu is not None:  # each tensor-parallel rank reads its own directory (checkpoint/tensor_parallel.py)
             load_dir = tp_rank_dir(self.mpu, load_dir, saved=True)
         resumed = read_checkpoint(self, load_dir, tag=tag, load_lr_scheduler=load_lr_scheduler)
@@ -359,12 +367,6 @@ class ZeroEngine:
         self.sync_written_shards()
         with self.sharding.all_resident():  # offload_param: full_state_dict reads every shard at once
             return full_state_dict(self, rank0_only=rank0_only)
-
-    def _refuse_expert_checkpoint(self, what: str) -> None:
-        if self.expert_parallel:
-            raise NotImplementedError(f"engine.{what} with expert-parallel MoE layers is not implemented yet (each "
-                                      f"rank holds other experts; docs/moe_ep.md); save the model's state_dict per "
-                                      f"rank (torch.save) until it is")
 
     # -- teardown -------------------------------------------------------------------------------
 

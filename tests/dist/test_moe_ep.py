@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.dist.common import assert_matches_reference
-from tests.dist.moe_common import reference_run, refusals_run, zerodp_run
+from tests.dist.moe_common import reference_run, refusals_run, resume_run, zerodp_run
 
 STEPS, MICRO_BS, CLIP = 8, 6, 0.5
 WORLD, EP = 4, 2
@@ -59,4 +59,15 @@ def test_experts_of_one_rank_without_any_token(dist_run):
 
 
 def test_what_is_not_implemented_is_refused(dist_run):
-    assert dist_run(WORLD, refusals_run, MICRO_BS) == [["stage 3", "checkpoints"]] * WORLD
+    assert dist_run(WORLD, refusals_run, MICRO_BS) == [["stage 3"]] * WORLD
+
+
+@pytest.mark.parametrize("saved,resumed", [((1, 2), (2, 4)), ((2, 2), (0, 1))], ids=["ep2-to-ep4", "ep2-to-ep1"])
+def test_checkpoint_loads_at_another_ep_and_dp_size(dist_run, tmp_path, saved, resumed):
+    """Saved at EP 2 x DP 2, resumed at EP 4 x DP 1 (stage 2) or EP 1 x DP 4 (stage 0): the 8 steps equal the
+    single-process model's 8 uninterrupted steps (optimizer state and per-parameter step counts carried over)."""
+    results = dist_run(WORLD, resume_run, saved, resumed, STEPS // 2, MICRO_BS, str(tmp_path / "ckpt"), **TOP1)
+    ref_losses, ref_params, unused, _ = reference_run(STEPS, WORLD, MICRO_BS, 1, CLIP, **TOP1)
+    assert any(unused[STEPS // 2:]) or any(unused[:STEPS // 2])
+    for rank, (losses, full) in enumerate(results):
+        assert_matches_reference(rank, losses, full, ref_losses, ref_params, f"resumed at {resumed}")
