@@ -77,23 +77,29 @@ def build_sharding(model: nn.Module, optimizer: Any, config: ZeroConfig, process
                                 config.gradient_predivide_factor, config.prescale_gradients,
                                 *(() if autocast is None else (autocast.low_precision_ids, autocast.dtype)))
     if experts is not None:
-        return Sharding(user_opt, autocast, *_expert_strategy(experts, groups, whole, config, process_group,
+        return Sharding(user_opt, autocast, *_expert_strategy(model, experts, groups, whole, config, process_group,
                                                                arithmetic, placement.round_grad_views))
     return Sharding(user_opt, autocast, _strategy(model, groups, whole, config, process_group, arithmetic,
                                                   placement.round_grad_views))
 
 
-def _expert_strategy(experts: ExpertPlan, groups: list[list[nn.Parameter]], whole: list[bool], config: ZeroConfig,
+def _expert_strategy(model: nn.Module, experts: ExpertPlan, groups: list[list[nn.Parameter]], whole: list[bool], config: ZeroConfig,
                      process_group: comm.ProcessGroup, arithmetic: GradArithmetic,
                      round_views: bool) -> tuple[ShardingStrategy, ExpertNorm]:
-    """Stages 0-2 with expert parallelism (moe/sharding.py): the dense parameters over every rank, each
-    ep_size's experts over its expert-data-parallel group; every part averages over all ranks (`arithmetic`)."""
+    """Expert parallelism (moe/sharding.py): the dense parameters over every rank at the configured stage, each
+    ep_size's experts over its expert-data-parallel group (stage 3: at stage 2); every part averages over all
+    ranks (`arithmetic`)."""
     experts.check_supported(config)
     zero = config.zero_optimization
-    policy = ReducePolicy.for_stage(config.stage, zero.reduce_scatter)
+    # stage 3: the dense parameters partitioned (stage3/), the experts at stage 2 over their expert-data-parallel
+    # group (whole on their ranks, gradients and optimizer state sharded): moe/sharding.py's module docstring
+    policy = ReducePolicy.for_stage(min(config.stage, 2), zero.reduce_scatter)
     dense, by_size = experts.split(groups)
     parts, expert_units = [], {}
-    for group, part_groups, size in [(process_group, dense, None)] + \
+    if config.stage == 3:
+        parts.append(build_stage3_sharding(model, dense, config, process_group, whole, arithmetic,
+                                           round_views=round_views, exclude=frozenset(experts.ep_size_of())))
+    for group, part_groups, size in [(process_group, dense, None)] * (config.stage < 3) + \
             [(experts.groups[s].expert_data_parallel, by_size[s], s) for s in sorted(by_size)]:
         buckets = build_buckets(part_groups, policy, group, zero.reduce_bucket_size, whole, arithmetic,
                                 round_views=round_views)

@@ -5,7 +5,9 @@
     layer.py           MoELayer (route, dispatch, local experts, combine), MoE (DeepSpeed's arguments), the
                        registry answering is_expert_parameter
     expert_groups.py   the expert-parallel and expert-data-parallel groups; a model's dense/expert split
-    sharding.py        the engine's strategy over both parts (stages 0-2) and the norm over both groups
+    sharding.py        the engine's strategy over both parts (stages 0-3) and the norm over both groups
+    consolidate.py     the single-process model's state dict from a live engine
+    checkpoint.py      checkpoints that load at another expert-parallel or data-parallel size
 """
 
 from .gating import Routing, TopKGate

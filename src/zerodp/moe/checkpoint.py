@@ -1,4 +1,4 @@
-"""Checkpoints of an expert-parallel run (stages 0-2) that load at another expert-parallel or data-parallel size:
+"""Checkpoints of an expert-parallel run (stages 0-3) that load at another expert-parallel or data-parallel size:
 `save_expert_checkpoint`, `load_expert_checkpoint`.
 
 Files under save_dir/tag, each written by one rank, every tensor whole and named as in the single-process model
@@ -25,7 +25,7 @@ import torch
 from .. import comm
 from ..checkpoint.consolidate import gather_flat
 from ..errors import CheckpointError
-from .consolidate import global_expert_names
+from .consolidate import global_expert_names, shard_group
 from .expert_groups import ExpertPlan
 
 LATEST = "latest"
@@ -52,7 +52,7 @@ def _whole_entries(engine, plan: ExpertPlan) -> dict[str, dict]:
         state = engine.optimizer.state_of(index)
         elementwise = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape}
         scalars = {k: v for k, v in state.items() if k not in elementwise}
-        flats = {k: gather_flat(unit.layout, v, unit.process_group, chunk, True, device=device)
+        flats = {k: gather_flat(unit.layout, v, shard_group(unit), chunk, True, device=device)
                  for k, v in [("value", master), *sorted(elementwise.items())]}
         for p, offset, numel, shape in zip(unit.params, unit.layout.offsets, unit.layout.numels, unit.layout.shapes):
             cut = {k: f[offset:offset + numel].view(shape).clone() for k, f in flats.items()}

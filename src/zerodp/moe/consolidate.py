@@ -1,5 +1,5 @@
 """The unsharded model of an expert-parallel run: `expert_full_state_dict`, the single-process model's state dict
-(every expert under its global index), from a live engine at stages 0-2.
+(every expert under its global index), from a live engine at stages 0-3.
 
 Each unit is gathered over the group its shards split over (a dense one over all ranks, an expert one over its
 expert-data-parallel group), from the fp32 masters. A local expert `...experts.<i>` of expert-parallel rank j
@@ -17,6 +17,11 @@ import torch
 from .. import comm
 from ..checkpoint.consolidate import gather_flat
 from .expert_groups import ExpertPlan
+
+
+def shard_group(unit) -> comm.ProcessGroup:
+    """The group a unit's shards split over: a bucket's (stages 0-2), a stage-3 unit's shard group."""
+    return unit.process_group if hasattr(unit, "process_group") else unit.shards.process_group
 
 
 def global_expert_names(module: torch.nn.Module, plan: ExpertPlan) -> dict[str, str]:
@@ -43,12 +48,16 @@ def expert_full_state_dict(engine, plan: ExpertPlan, rank0_only: bool = True) ->
     chunk_numel = engine.config.zero_optimization.allgather_bucket_size
     values: dict[str, torch.Tensor] = {}
     for unit, master in zip(engine.units, engine.optimizer.masters):
-        flat = gather_flat(unit.layout, master, unit.process_group, chunk_numel, True,
+        flat = gather_flat(unit.layout, master, shard_group(unit), chunk_numel, True,
                            device=engine.placement.compute.device)
         for p, offset, numel, shape in zip(unit.params, unit.layout.offsets, unit.layout.numels, unit.layout.shapes):
             values[names[id(p)]] = flat[offset:offset + numel].view(shape).clone()
-    for key, value in engine.module.state_dict().items():  # buffers, frozen parameters: whole on every rank
-        values.setdefault(key, value.detach().float().cpu().clone() if value.is_floating_point() else value.cpu())
+    for key, value in engine.module.state_dict(keep_vars=True).items():  # buffers: whole on every rank
+        if key not in values:
+            if any(value is p for p in engine.module.parameters()):
+                raise NotImplementedError(f"full_state_dict of an expert-parallel model with a frozen parameter "
+                                          f"({key}) is not implemented")
+            values[key] = value.detach().float().cpu().clone() if value.is_floating_point() else value.cpu()
     renamed = global_expert_names(engine.module, plan)
     group = engine.process_group
     largest = max(plan.groups)

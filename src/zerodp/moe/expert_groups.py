@@ -112,9 +112,14 @@ class ExpertPlan:
         """Refuse, naming the key, what expert parallelism does not run with yet (nothing is silently wrong)."""
         zero = config.zero_optimization
         if config.stage == 3:
-            raise ConfigError("MoE layers with expert parallelism (zerodp.moe) run at ZeRO stages 0-2; stage 3 is "
-                              "not implemented for them yet: set zero_optimization.stage to 0, 1 or 2, or write the "
-                              "experts as ordinary modules (stage 3 keeps a MoE block whole, docs/moe.md)")
+            for key, on in (("offload_param", zero.offload_param.enabled), ("mics_shard_size", zero.mics_shard_size > 0),
+                            ("zero_hpz_partition_size", zero.zero_hpz_partition_size > 1),
+                            ("zero_quantized_weights", zero.zero_quantized_weights),
+                            ("zero_quantized_gradients", zero.zero_quantized_gradients)):
+                if on:
+                    raise ConfigError(f"zero_optimization.{key} with expert-parallel MoE layers is not implemented; "
+                                      f"remove it (stage 3 partitions the dense parameters, the experts are "
+                                      f"sharded at stage 2 over their expert-data-parallel group)")
         if zero.offload_optimizer.enabled:
             raise ConfigError("offload_optimizer with expert-parallel MoE layers is not implemented yet; remove "
                               "zero_optimization.offload_optimizer")

@@ -2,12 +2,14 @@
 layers (`seams.ShardingStrategy`), and `ExpertNorm`, its gradient-norm rule.
 
 The dense parameters are laid out by the configured stage over all N ranks, each ep_size's expert parameters
-by the same stage over their expert-data-parallel group (expert_groups.py); the strategy drives the parts in a
-fixed order and concatenates their units (dense first), so the optimizer steps them as one list. Every part
-averages over N (module docstring of expert_groups.py).
+by the same stage over their expert-data-parallel group (expert_groups.py), except at stage 3: there the
+experts are laid out at stage 2 (whole on their ranks, which hold only E/P experts already; gradients and
+optimizer state sharded), and stage 3's units leave them out. The strategy drives the parts in a fixed order
+and concatenates their units (dense first), so the optimizer steps them as one list. Every part averages over
+N (module docstring of expert_groups.py).
 
 Norm, the unsharded single-process model's: ||g||^2 = dense^2 + experts^2.
-    stages 1-2   every rank's shards are disjoint pieces of the whole model (a dense shard is 1/N of the
+    stages 1-3   every rank's shards are disjoint pieces of the whole model (a dense shard is 1/N of the
                  dense parameters; an expert shard 1/(N/P) of its ep rank's experts, and the expert-data-
                  parallel groups hold disjoint experts), so one all-reduce over the N ranks sums them
     stage 0      every rank holds all dense gradients and its own experts' whole: the expert square is
@@ -26,14 +28,13 @@ parameter gets its gradient at the same point of every rank's backward.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional
+from typing import Optional
 
 import torch
 
 from .. import comm
 from ..grads.grad_shard import square_norm
 from ..seams import ShardedUnit
-from ..stage12.strategy import GradReducer
 from .expert_groups import ExpertPlan
 
 
@@ -69,20 +70,24 @@ class ExpertNorm:
 
 
 class ExpertParallelSharding:
-    """Stages 0-2 over dense and expert parameters: one `GradReducer` per part (module docstring)."""
+    """Dense and expert parts driven as one strategy (module docstring): at stages 0-2 one `GradReducer` per part;
+    at stage 3 the dense part is the stage-3 strategy and the experts' parts are stage-2 `GradReducer`s."""
 
-    frozen_units: tuple = ()
-    replica_index = 0
+    replica_index = 0  # MiCS is refused with expert parallelism (expert_groups.check_supported)
 
-    def __init__(self, parts: list[GradReducer], process_group: comm.ProcessGroup, plan: ExpertPlan) -> None:
+    def __init__(self, parts: list, process_group: comm.ProcessGroup, plan: ExpertPlan) -> None:
         self.plan = plan  # its groups are destroyed at close
         self.parts = [p for p in parts if p.units]
         self.units = [u for part in self.parts for u in part.units]
         self.state_group = process_group
 
     @property
+    def frozen_units(self) -> list:
+        return [u for part in self.parts for u in part.frozen_units]
+
+    @property
     def reduces_every_micro_step(self) -> bool:
-        return self.parts[0].reduces_every_micro_step
+        return any(part.reduces_every_micro_step for part in self.parts)
 
     def start_micro_step(self, reduce: bool) -> None:
         for part in self.parts:
@@ -91,9 +96,10 @@ class ExpertParallelSharding:
     def finish_micro_step(self, boundary: bool) -> Optional[torch.Tensor]:
         """Each part's flags (whether a parameter got a gradient on any rank of its group), concatenated."""
         flags = [part.finish_micro_step(boundary) for part in self.parts]
-        if any(f is None for f in flags):
+        if not boundary:
             return None
-        return torch.cat([f.to(torch.bool) for f in flags])
+        return torch.cat([torch.ones(len([p for u in part.units for p in u.params]), dtype=torch.bool)
+                          if f is None else f.to(torch.bool) for part, f in zip(self.parts, flags)])
 
     def after_step(self) -> None:
         for part in self.parts:
@@ -104,19 +110,25 @@ class ExpertParallelSharding:
             part.end_step()
 
     def release_kept_units(self) -> None:
-        """Nothing: stages 0-2 keep every parameter whole."""
+        for part in self.parts:
+            part.release_kept_units()
 
-    def all_resident(self, dirty: bool = False) -> ContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def all_resident(self, dirty: bool = False):
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.all_resident(dirty))
+            yield
 
     def param_offload(self) -> None:
-        return None
+        return None  # offload_param is refused with expert parallelism
 
     def take_written_units(self) -> list:
-        return []
+        return [u for part in self.parts for u in part.take_written_units()]
 
     def prepare_for_compile(self) -> None:
-        """Nothing: stages 0-2 hook only gradients."""
+        for part in self.parts:
+            part.prepare_for_compile()
 
     def close(self) -> None:
         for part in self.parts:
