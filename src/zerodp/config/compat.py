@@ -131,7 +131,10 @@ NO_EFFECT: dict[str, NoEffect] = {
     "graph_harvesting": NoEffect("switched off", lambda v: v is False, "CUDA graph harvesting is not implemented"),
     "cuda_visible_devices": NoEffect("not a DeepSpeed key (DeepSpeed ignores it); set CUDA_VISIBLE_DEVICES"),
     "vocabulary_size": NoEffect("read only by DeepSpeed's sparse-attention and compression utilities"),
-    "use_data_before_expert_parallelism": NoEffect("zerodp has no expert parallelism"),
+    "use_data_before_expert_parallelism": NoEffect(
+        "false: experts laid out E + D, DeepSpeed's default (docs/moe_ep.md)", _off,
+        "use_data_before_expert_parallelism: true (the D + E rank layout of experts) is not implemented in zerodp; "
+        "set it false or remove it"),
     "checkpoint": NoEffect("zerodp checkpoints are already universal (any world size or stage), validated "
                            "(tags must agree on every rank) and written by every rank in parallel; DeepSpeed's ZeRO "
                            "and universal folders are told apart by their files, without load_universal"),

@@ -62,12 +62,13 @@ def optimizer_groups(model: nn.Module, optimizer) -> list[list[nn.Parameter]]:
     return [sorted(g, key=lambda p: order[id(p)]) for g in groups]
 
 
-def broadcast_module_state(module: nn.Module, process_group: comm.ProcessGroup) -> None:
-    """Every rank starts from rank 0's weights and buffers, as DDP does (note: one broadcast per tensor)."""
+def broadcast_module_state(module: nn.Module, process_group: comm.ProcessGroup, skip: frozenset = frozenset()) -> None:
+    """Every rank starts from rank 0's weights and buffers, as DDP does (note: one broadcast per tensor).
+    `skip`: id() of parameters left alone (a MoE layer's experts: each rank holds its own, moe/expert_groups.py)."""
     from ..shard.stage3.params import PartitionedParameter
 
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            if isinstance(t, PartitionedParameter):
+            if isinstance(t, PartitionedParameter) or id(t) in skip:
                 continue  # created partitioned by zerodp.init_context: equal on every rank already
             comm.broadcast(t.data, 0, process_group, tag="init")

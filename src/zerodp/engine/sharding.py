@@ -38,6 +38,8 @@ from ..shard.seams import ShardingStrategy
 from ..shard.stage3 import build_stage3_sharding
 from ..shard.stage12.buckets import ReducePolicy, build_buckets
 from ..shard.stage12.strategy import GradReducer
+from ..moe.expert_groups import ExpertPlan
+from ..moe.sharding import ExpertNorm, ExpertParallelSharding
 
 
 class Sharding(NamedTuple):
@@ -46,6 +48,7 @@ class Sharding(NamedTuple):
     user_optimizer: OptimizerLike  # the user's (or the config's) optimizer: read for its classes, never stepped
     autocast: Optional[AutocastPolicy]  # torch_autocast (autocast.py), or None
     strategy: ShardingStrategy  # the configured stage's; its units are what the optimizer steps
+    norm_rule: Optional[ExpertNorm] = None  # expert parallelism: the gradient norm over both groups (moe/)
 
 
 def build_sharding(model: nn.Module, optimizer: Any, config: ZeroConfig, process_group: comm.ProcessGroup,
@@ -61,7 +64,11 @@ def build_sharding(model: nn.Module, optimizer: Any, config: ZeroConfig, process
     # per param group: does its optimizer read whole tensors (Muon, Adafactor)? Then each rank owns
     # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
     whole = [needs_whole_tensors(m) for m in members(user_opt)]
-    broadcast_module_state(model, process_group)
+    # MoE layers (moe/): their expert-parallel groups made and bound; experts start from their own group's first rank
+    experts = ExpertPlan.of(model, process_group)
+    broadcast_module_state(model, process_group, skip=set() if experts is None else set(experts.ep_size_of()))
+    if experts is not None:
+        experts.broadcast_experts()
     if precision.mixed:
         model.to(precision.param_dtype)  # parameters and floating buffers compute in low precision
     # communication/accumulation dtypes, pre/post divisors: one arithmetic for all stages (grads/grad_arithmetic.py)
@@ -69,8 +76,39 @@ def build_sharding(model: nn.Module, optimizer: Any, config: ZeroConfig, process
     arithmetic = GradArithmetic(world_size, precision.grad_accum_dtype, precision.reduce_dtype,
                                 config.gradient_predivide_factor, config.prescale_gradients,
                                 *(() if autocast is None else (autocast.low_precision_ids, autocast.dtype)))
+    if experts is not None:
+        return Sharding(user_opt, autocast, *_expert_strategy(model, experts, groups, whole, config, process_group,
+                                                               arithmetic, placement.round_grad_views))
     return Sharding(user_opt, autocast, _strategy(model, groups, whole, config, process_group, arithmetic,
                                                   placement.round_grad_views))
+
+
+def _expert_strategy(model: nn.Module, experts: ExpertPlan, groups: list[list[nn.Parameter]], whole: list[bool], config: ZeroConfig,
+                     process_group: comm.ProcessGroup, arithmetic: GradArithmetic,
+                     round_views: bool) -> tuple[ShardingStrategy, ExpertNorm]:
+    """Expert parallelism (moe/sharding.py): the dense parameters over every rank at the configured stage, each
+    ep_size's experts over its expert-data-parallel group (stage 3: at stage 2); every part averages over all
+    ranks (`arithmetic`)."""
+    experts.check_supported(config)
+    zero = config.zero_optimization
+    # stage 3: the dense parameters partitioned (stage3/), the experts at stage 2 over their expert-data-parallel
+    # group (whole on their ranks, gradients and optimizer state sharded): moe/sharding.py's module docstring
+    policy = ReducePolicy.for_stage(min(config.stage, 2), zero.reduce_scatter)
+    dense, by_size = experts.split(groups)
+    parts, expert_units = [], {}
+    if config.stage == 3:
+        parts.append(build_stage3_sharding(model, dense, config, process_group, whole, arithmetic,
+                                           round_views=round_views, exclude=frozenset(experts.ep_size_of())))
+    for group, part_groups, size in [(process_group, dense, None)] * (config.stage < 3) + \
+            [(experts.groups[s].expert_data_parallel, by_size[s], s) for s in sorted(by_size)]:
+        buckets = build_buckets(part_groups, policy, group, zero.reduce_bucket_size, whole, arithmetic,
+                                round_views=round_views)
+        # the expert part reduces after backward: [Note: expert reductions wait for backward] in moe/sharding.py
+        parts.append(GradReducer(buckets, group, zero.overlap_comm, policy, zero.allgather_bucket_size,
+                                 launch_in_backward=size is None))
+        if size is not None:
+            expert_units.update({id(b): size for b in buckets})
+    return ExpertParallelSharding(parts, process_group, experts), ExpertNorm(expert_units, experts)
 
 
 def _strategy(model: nn.Module, groups: list[list[nn.Parameter]], whole: list[bool], config: ZeroConfig,

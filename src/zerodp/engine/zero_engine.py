@@ -105,8 +105,12 @@ class ZeroEngine:
         self.placement = placement_of(config, model_device(model))
         # the optimizer resolved and checked, the model made the same on every rank and cast, its parameters laid
         # out by the configured stage's strategy (sharding.py)
-        user_opt, self.autocast, self.sharding = build_sharding(model, optimizer, config, process_group,
-                                                                self.precision, self.world_size, self.placement)
+        user_opt, self.autocast, self.sharding, expert_norm = build_sharding(
+            model, optimizer, config, process_group, self.precision, self.world_size, self.placement)
+        self.expert_parallel = expert_norm is not None  # MoE layers with experts split over ranks (moe/)
+        if expert_norm is not None and mpu is not None:
+            raise ConfigError("expert-parallel MoE layers beside tensor parallelism (mpu=) are not implemented; "
+                              "train the MoE model without mpu")
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group, self.placement)  # or None
@@ -114,7 +118,7 @@ class ZeroEngine:
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            placement=self.placement, model_parallel=model_parallel_norm(mpu, model))
+            placement=self.placement, model_parallel=expert_norm or model_parallel_norm(mpu, model))
         self.optimizer.late_starters.param_names = self.param_names  # to name them (optim/late_starters.py)
         # DeepSpeed's `scheduler` section or the caller's own schedule, stepped after every optimizer step taken
         self._lr_scheduler = None if config.scheduler is None else \
@@ -330,6 +334,10 @@ class ZeroEngine:
         DeepSpeed's tools and DeepSpeed itself (checkpoint/deepspeed_writer.py, docs/checkpoints.md)."""
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
+        if self.expert_parallel:  # whole tensors named as in the single-process model: moe/checkpoint.py
+            from ..moe.checkpoint import save_expert_checkpoint
+
+            return save_expert_checkpoint(self, self.sharding.plan, save_dir, tag, client_state)
         def save(root):
             return save_checkpoint(self, root, tag=tag, client_state=client_state)
         path = save(save_dir) if self.mpu is None else tp_save(self.mpu, self.rank, self.module, save_dir, save)
@@ -345,6 +353,12 @@ class ZeroEngine:
         `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
         watchdog.activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
+        if self.expert_parallel:  # any expert-parallel or data-parallel size: moe/checkpoint.py
+            from ..moe.checkpoint import load_expert_checkpoint
+
+            client_state = load_expert_checkpoint(self, self.sharding.plan, load_dir, tag, load_lr_scheduler)
+            self.sharding.after_step()  # note: a collective; re-assembles full parameters from the loaded shards
+            return client_state
         if self.mpu is not None:  # each tensor-parallel rank reads its own directory (checkpoint/tensor_parallel.py)
             load_dir = tp_rank_dir(self.mpu, load_dir, saved=True)
         resumed = read_checkpoint(self, load_dir, tag=tag, load_lr_scheduler=load_lr_scheduler)
@@ -400,7 +414,12 @@ class ZeroEngine:
                               "save_checkpoint / load_checkpoint (one folder per tensor-parallel rank)")
 
     def full_state_dict(self, rank0_only: bool = True) -> dict:
-        """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only."""
+        """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only.
+        With expert-parallel MoE layers: the single-process model's, every expert under its global index."""
+        if self.expert_parallel:
+            from ..moe.consolidate import expert_full_state_dict
+
+            return expert_full_state_dict(self, self.sharding.plan, rank0_only=rank0_only)
         self.sync_written_shards()
         with self.sharding.all_resident():  # offload_param: full_state_dict reads every shard at once
             return full_state_dict(self, rank0_only=rank0_only)

@@ -28,15 +28,36 @@ def test_moe_split_returns_dense_groups_unchanged():
         split_params_into_different_moe_groups_for_optimizer(model.parameters())
 
 
-def test_moe_parameters_and_layers_are_refused():
-    expert = torch.nn.Linear(2, 2)
-    expert.weight.allreduce = False  # how DeepSpeed's MoE layers mark expert parameters
-    with pytest.raises(NotImplementedError, match="zerodp does not support MoE"):
-        split_params_into_different_moe_groups_for_optimizer({"params": list(expert.parameters()), "name": "p"})
+def test_moe_split_gives_deepspeeds_groups():
+    from zerodp.deepspeed.moe.layer import MoE
+    from zerodp.deepspeed.moe.utils import is_moe_param
+
+    layer = MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, use_residual=True)
+    experts = list(layer.deepspeed_moe.experts.parameters())
+    assert all(is_moe_param(p) for p in experts) and not is_moe_param(layer.coefficient.weight)
+    assert not hasattr(experts[0], "allreduce")  # known from the layer, no attribute set
+    out = split_params_into_different_moe_groups_for_optimizer({"params": layer.parameters(), "name": "p", "lr": 1})
+    assert [g["name"] for g in out] == ["p", "ep_size_1"] and out[1]["moe"] and out[1]["lr"] == 1
+    assert out[1]["params"] == experts and not any(is_moe_param(p) for p in out[0]["params"])
+    pieces = split_params_into_different_moe_groups_for_optimizer({"params": experts, "name": "p"}, max_group_size=16)
+    # two experts (16-element weight, 4-element bias each), at most 16 elements per group: one tensor per group
+    assert [len(g["params"]) for g in pieces] == [0, 1, 1, 1, 1]
+    marked = torch.nn.Linear(2, 2)
+    marked.weight.allreduce, marked.weight.group_name = False, "ep_size_2"  # DeepSpeed's own marking still counts
+    assert [g["name"] for g in split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(marked.parameters()), "name": "p"})] == ["p", "ep_size_2"]
+
+
+def test_moe_layer_refuses_what_zerodp_lacks():
     from zerodp.deepspeed.moe.layer import MoE
 
-    with pytest.raises(NotImplementedError, match="MoE is not supported by zerodp"):
-        MoE(hidden_size=4, expert=expert, num_experts=2)
+    with pytest.raises(NotImplementedError, match="Tutel"):
+        MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, use_tutel=True)
+    with pytest.raises(ValueError, match="divisible"):
+        MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=3, ep_size=2)
+    layer = MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=2)
+    with pytest.raises(RuntimeError, match="no expert-parallel group"):
+        layer(torch.randn(5, 4))
 
 
 def test_ops_adam_build_the_same_update_in_torch():

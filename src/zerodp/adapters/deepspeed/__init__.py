@@ -27,8 +27,9 @@ DeepSpeed's examples/; transformers' and accelerate's integrations add the last 
     deepspeed.ops.adam.DeepSpeedCPUAdam / FusedAdam            6  ops/adam (torch's Adam/AdamW)
     deepspeed.utils: logger, log_dist, RepeatingLoader,        4  utils/
       safe_get_full_*; utils.logging.logger
-    deepspeed.moe.utils.split_params_into_different_moe_       1  moe/utils.py (dense: groups
-      groups_for_optimizer; deepspeed.moe.layer.MoE                 unchanged; MoE refused when called)
+    deepspeed.moe.utils.split_params_into_different_moe_       1  moe/utils.py, moe/layer.py (zerodp.moe:
+      groups_for_optimizer, is_moe_param; deepspeed.moe.            expert parallelism, stages 0-3)
+      layer.MoE
     deepspeed.runtime.utils: set_random_seed, see_memory_usage 1  runtime/utils.py
     deepspeed.runtime.zero.partition_parameters.ZeroParamStatus 2 runtime/zero/ (the enum; zerodp's
                                                                    parameters carry no ds_status)

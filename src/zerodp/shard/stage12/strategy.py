@@ -26,8 +26,11 @@ class GradReducer:
     frozen_units: tuple = ()  # stages 0-2 keep frozen parameters whole, outside any unit
 
     def __init__(self, buckets: list[GradBucket], process_group: comm.ProcessGroup, overlap: bool,
-                 policy: ReducePolicy, allgather_numel: int) -> None:
+                 policy: ReducePolicy, allgather_numel: int, launch_in_backward: bool = True) -> None:
         self.buckets = buckets
+        # False: every reduction starts after backward, none overlaps it. Expert parallelism's expert part
+        # ([Note: expert reductions wait for backward] in moe/sharding.py)
+        self.launch_in_backward = launch_in_backward
         self.units = buckets
         self.process_group = process_group
         self.state_group = process_group  # the optimizer's shards are split over every rank
@@ -80,7 +83,7 @@ class GradReducer:
 
     def _on_bucket_complete(self) -> None:
         """A bucket got its last gradient: launch, in order, what is ready (only a completion can free one)."""
-        if self.reducing_this_micro_step:
+        if self.reducing_this_micro_step and self.launch_in_backward:
             self.queue.launch_ready()
 
     def start_micro_step(self, reduce: bool) -> None:

@@ -33,7 +33,8 @@ from .wrap import plan_units, units_for
 def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], config: ZeroConfig,
                           process_group: comm.ProcessGroup, whole: Optional[list[bool]] = None,
                           arithmetic: Optional[GradArithmetic] = None, *,
-                          forward_only: bool = False, round_views: bool = False) -> Stage3Sharding:
+                          forward_only: bool = False, round_views: bool = False,
+                          exclude: frozenset = frozenset()) -> Stage3Sharding:
     """Partition `model`'s parameters into units and hook its modules (see the module docstring).
 
     `groups` are the optimizer's param groups, trainable parameters only, in model order; `whole[g]`:
@@ -42,6 +43,8 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     (no optimizer, `groups` empty): every parameter is laid out as frozen, whatever its requires_grad, so no
     unit has a gradient or optimizer state; the model may then have no unit at all (every parameter small).
     `round_views`: each unit's per-round gradient buffer is handed to autograd as views (placement.py).
+    `exclude`: id() of parameters left out of every unit, whole and unhooked (expert-parallel experts, which
+    another strategy lays out: moe/sharding.py).
     """
     if forward_only and groups:
         raise ValueError("build_stage3_sharding(forward_only=True) lays out no trainable parameter; pass groups=[]")
@@ -80,6 +83,8 @@ def build_stage3_sharding(model: nn.Module, groups: list[list[nn.Parameter]], co
     for plan in plans:
         buckets: dict[tuple, tuple[list, list]] = {}
         for p, name in zip(plan.params, plan.names):
+            if id(p) in exclude:
+                continue
             persistent = p.numel() < threshold
             frozen = forward_only or not p.requires_grad
             if frozen and persistent:

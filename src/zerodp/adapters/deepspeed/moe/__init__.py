@@ -1,8 +1,8 @@
-"""`deepspeed.moe`: the parameter-group helper dense scripts call; DeepSpeed's MoE layers are refused.
+"""`deepspeed.moe`: DeepSpeed's MoE layer (layer.py) and its parameter helpers (utils.py), on zerodp.moe.
 
 Modules:
-    layer.py  `deepspeed.moe.layer.MoE`: refused when constructed (zerodp has no expert parallelism).
-    utils.py  `deepspeed.moe.utils`: DeepSpeed's split of optimizer parameter groups into MoE and dense ...
+    layer.py  `deepspeed.moe.layer.MoE`: DeepSpeed's mixture-of-experts layer on zerodp's (zerodp.moe, ...
+    utils.py  `deepspeed.moe.utils`: DeepSpeed's test for an expert parameter and its split of optimizer ...
 """
 
 from . import layer, utils

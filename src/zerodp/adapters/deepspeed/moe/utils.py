@@ -1,25 +1,34 @@
-"""`deepspeed.moe.utils`: DeepSpeed's split of optimizer parameter groups into MoE and dense groups.
+"""`deepspeed.moe.utils`: DeepSpeed's test for an expert parameter and its split of optimizer parameter groups.
 
-A parameter is an expert (MoE) parameter in DeepSpeed when it carries `allreduce = False` (set by
-DeepSpeed's MoE layers). zerodp has no expert parallelism, so with no such parameter the groups come back
-unchanged, as DeepSpeed returns them (a dict becomes a one-element list, a tuple a list); with one, the
-call says that MoE is not supported.
+An expert parameter is one of a `deepspeed.moe.layer.MoE` (or `zerodp.moe.MoE`) layer's experts, known from
+the layers' registry (zerodp.moe.layer.is_expert_parameter: no attribute is set on the parameter), or one a
+script marked DeepSpeed's way, `param.allreduce = False` (with `param.group_name`).
+The split gives DeepSpeed's groups: each group's expert parameters move to new groups (same settings,
+`moe: True`, `name: ep_size_<P>`), at most `max_group_size` elements each; zerodp needs no such split (its
+engine finds the experts itself) but takes the groups as they come.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Union
+
+from ....moe.layer import expert_ep_size, is_expert_parameter
 
 
 def is_moe_param(param) -> bool:
-    """DeepSpeed's test: an expert parameter is marked `allreduce = False`."""
-    return hasattr(param, "allreduce") and not param.allreduce
+    """DeepSpeed's test: a parameter of a MoE layer's experts."""
+    return is_expert_parameter(param) or (hasattr(param, "allreduce") and not param.allreduce)
+
+
+def _group_name(param) -> str:
+    return f"ep_size_{expert_ep_size(param)}" if is_expert_parameter(param) else param.group_name
 
 
 def split_params_into_different_moe_groups_for_optimizer(param_groups: Union[dict, tuple, list],
                                                          max_group_size: Union[int, float] = 178956971
                                                          ) -> list[dict[str, Any]]:
-    """The groups as a list, unchanged when no parameter is an expert's (which is all zerodp trains)."""
+    """DeepSpeed's split (module docstring); a dict becomes a one-element list, a tuple a list."""
     if isinstance(param_groups, tuple):
         param_groups = list(param_groups)
     elif isinstance(param_groups, dict):
@@ -27,8 +36,39 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups: Union[dic
     elif not isinstance(param_groups, list):
         raise ValueError(f"Unknown param group type of {type(param_groups)}")
     for group in param_groups:
-        group["params"] = list(group["params"])  # DeepSpeed reads the params twice: a generator would empty
-        if any(is_moe_param(p) for p in group["params"]):
-            raise NotImplementedError("split_params_into_different_moe_groups_for_optimizer: the model has "
-                                      "DeepSpeed MoE (expert) parameters; zerodp does not support MoE")
+        group["params"] = list(group["params"])  # read twice below: a generator would empty
+    names = sorted({_group_name(p) for g in param_groups for p in g["params"] if is_moe_param(p)})
+    if not names:
+        return param_groups
+    for group in param_groups:
+        if "name" not in group:
+            raise ValueError("split_params_into_different_moe_groups_for_optimizer: every param group needs a "
+                             "'name' key (DeepSpeed reads it), e.g. {'params': ..., 'name': 'parameters'}")
+    moe_groups: dict = defaultdict(dict)
+    for group in param_groups:
+        for name in names:
+            moe_groups[group["name"]][name] = {**group, "name": name, "moe": True, "params": []}
+    for group in param_groups:
+        dense = []
+        for p in group["params"]:
+            if is_moe_param(p):
+                moe_groups[group["name"]][_group_name(p)]["params"].append(p)
+            else:
+                dense.append(p)
+        group["params"] = dense
+    for by_name in moe_groups.values():
+        for group in by_name.values():
+            if max_group_size is None:
+                param_groups.append(group)
+                continue
+            pieces, current, numel = [], [], 0
+            for p in group["params"]:
+                if current and numel + p.numel() > max_group_size:
+                    pieces.append(current)
+                    current, numel = [], 0
+                current.append(p)
+                numel += p.numel()
+            if current:
+                pieces.append(current)
+            param_groups.extend({**group, "params": piece} for piece in pieces)
     return param_groups

@@ -1,0 +1,1 @@
+"""Unit tests of zerodp.moe (in-process)."""
