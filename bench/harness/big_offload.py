@@ -62,6 +62,9 @@ def make_config(nvme_path: str, micro_batch: int, block_numel: int) -> dict:
         "aio": {"thread_count": 2},
         "zero_optimization": {
             "stage": 3, "sub_group_size": 10_000_000, "stage3_param_persistence_threshold": 100_000,
+            # units by size (each Linear over 1e5 elements), as measured in bench/results/big_offload_3b_after.jsonl:
+            # the default keeps blocks whole (docs/moe.md), whose larger gathers would need more RAM here
+            "stage3_unit_min_params": 100_000,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3},
             "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4,
                               "max_in_cpu": 2 * block_numel, "buffer_size": 400_000_000},

@@ -42,7 +42,7 @@ def test_a_child_of_a_script_under_run_imports_zerodp_as_deepspeed(tmp_path):
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     # the checks frameworks make before importing (accelerate's is_deepspeed_available) pass without torch
     assert seen == {"torch": False, "spec": True, "version": DEEPSPEED_VERSION, "torch_after_checks": False,
-                    "name": "zerodp.deepspeed", "runner": ".deepspeed_env"}
+                    "name": "zerodp.adapters.deepspeed", "runner": ".deepspeed_env"}
 
 
 def test_the_hook_is_installed_and_imports_nothing_when_the_variable_is_unset(tmp_path):

@@ -248,7 +248,7 @@ def predict_peak_rss(model: ModelShape, run: RunShape, baseline_bytes: float) ->
     moments.append(("optimizer step", [RssTerm("gradient shard cache", full_cache, "every shard delivered, "
                                                "up to max_in_cpu")]))
     moment, working = max(moments, key=lambda m: sum(t.bytes for t in m[1]))
-    terms = [RssTerm("baseline", baseline_bytes, "python + torch + zerodp + gloo on this machine (plan/baseline.py)")]
+    terms = [RssTerm("baseline", baseline_bytes, "python + torch + zerodp + gloo on this machine (tools/plan/baseline.py)")]
     terms += states + io + [t for t in working if t.bytes or t.name == "activations"]
     notes = []
     if not run.maps_large_buffers:  # [Note: heap retention]
