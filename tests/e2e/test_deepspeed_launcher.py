@@ -78,6 +78,21 @@ def test_two_hosts_of_one_machine_form_one_world_of_4(tmp_path):
     _check_world_of_4(tmp_path)
 
 
+MISSING = "no such file; write one host a line as `NAME slots=N`, or leave --hostfile out to run on this machine only"
+
+
+@pytest.mark.timeout(120)
+def test_a_deepspeed_link_to_zerodp_deepspeed_is_this_launcher(tmp_path):
+    command = Path(sys.executable).with_name("zerodp-deepspeed")  # the console script pyproject installs
+    assert command.is_file(), "reinstall zerodp (make setup) for its zerodp-deepspeed command"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "deepspeed").symlink_to(command)  # the opt-in docs/multinode_elastic.md describes
+    proc = subprocess.run(["deepspeed", "--hostfile", str(tmp_path / "missing"), "train.py"], capture_output=True,
+                          text=True, timeout=100, env=dict(_env(), PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}"))
+    assert proc.returncode == 1 and proc.stderr.strip() == \
+        f"zerodp-deepspeed: error: --hostfile {tmp_path / 'missing'}: {MISSING}", proc.stderr
+
+
 @pytest.mark.timeout(120)
 def test_deepspeeds_own_command_reaches_this_launcher_under_the_alias(tmp_path):
     # the body of DeepSpeed's bin/deepspeed script, run under ZERODP_DEEPSPEED_ALIAS=1 (docs/multinode_elastic.md)
@@ -85,5 +100,4 @@ def test_deepspeeds_own_command_reaches_this_launcher_under_the_alias(tmp_path):
     proc = subprocess.run([sys.executable, "-c", body, "--hostfile", str(tmp_path / "missing"), "train.py"],
                           capture_output=True, text=True, timeout=100, env=dict(_env(), ZERODP_DEEPSPEED_ALIAS="1"))
     assert proc.returncode == 1 and proc.stderr.strip() == \
-        f"zerodp-deepspeed: error: --hostfile {tmp_path / 'missing'}: no such file; write one host a line as " \
-        f"`NAME slots=N`, or leave --hostfile out to run on this machine only", proc.stderr
+        f"zerodp-deepspeed: error: --hostfile {tmp_path / 'missing'}: {MISSING}", proc.stderr

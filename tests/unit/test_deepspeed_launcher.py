@@ -5,6 +5,7 @@ test_deepspeed_launcher.py.)"""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import OrderedDict
 
@@ -187,6 +188,9 @@ def test_one_host_runs_torchrun_here_and_several_go_through_the_launcher(tmp_pat
     (["--hostfile", "nope", "t.py"], r"--hostfile nope: no such file"),
     (["--autotuning", "tune", "t.py"], r"--autotuning: zerodp's launcher does not provide autotuning"),
     (["--no_python", "t.py"], r"--no_python: .*non-Python programs"),
+    (["--bind_cores_to_rank", "t.py"], r"--bind_cores_to_rank: .*core binding"),
+    (["--save_pid", "t.py"], r"--save_pid: .*the pid file"),
+    (["--enable_each_rank_log", "logs", "t.py"], r"--enable_each_rank_log: .*per-rank log files"),
     (["--no_ssh", "t.py"], r"--no_ssh starts only this host's part: give its --node_rank"),
 ])
 def test_bad_launches_are_refused_before_anything_starts(tmp_path, monkeypatch, argv, message):
@@ -203,9 +207,30 @@ def test_without_hostfile_or_gpu_the_cpu_ranks_are_asked_for(tmp_path, monkeypat
         _plan_launch(tmp_path, "t.py")
     command, _ = _plan_launch(tmp_path, "--num_gpus", "3", "t.py")
     assert "--nproc_per_node=3" in command
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)  # with GPUs: one rank per GPU
+    command, env = _plan_launch(tmp_path, "t.py")
+    assert "--nproc_per_node=2" in command and env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 def test_a_missing_cluster_tool_is_named(tmp_path, monkeypatch):
     ns = runner.parse_args(["--launcher", "slurm", "t.py"])
     with pytest.raises(LauncherError, match=r"--launcher slurm needs `srun` on PATH"):
         runner._check_reachable(ns, ["srun", "-n", "2"], {"PATH": str(tmp_path)})
+
+
+def test_the_deepspeed_env_file_name_follows_ds_env_file():
+    assert [p.name for p in multinode.deepspeed_env_files({})] == [".deepspeed_env", ".deepspeed_env"]
+    files = multinode.deepspeed_env_files({"DS_ENV_FILE": "cluster.env"})
+    assert [str(p.parent) for p in files] == [os.path.expanduser("~"), "."] and files[1].name == "cluster.env"
+
+
+def test_pdsh_needs_passwordless_ssh_to_the_first_host_unless_told_not_to_check(tmp_path):
+    for tool, code in (("pdsh", 0), ("ssh", 255)):  # stand-ins: ssh refuses
+        (tmp_path / tool).write_text(f"#!/bin/sh\nexit {code}\n")
+        (tmp_path / tool).chmod(0o755)
+    env = {"PATH": str(tmp_path)}
+    command = ["pdsh", "-S", "-f", "1024", "-w", "node-a,node-b", "remote command"]
+    with pytest.raises(LauncherError, match=r"host node-a is not reachable by passwordless ssh \(ssh -o "
+                                            r"PasswordAuthentication=no -p 2222 node-a hostname failed\)"):
+        runner._check_reachable(runner.parse_args(["--ssh_port", "2222", "t.py"]), command, env)
+    runner._check_reachable(runner.parse_args(["--no_ssh_check", "t.py"]), command, env)  # no probe
