@@ -56,7 +56,7 @@ class ElasticAttempt(NamedTuple):
 
 def under_agent_store() -> bool:
     """True when torch's elastic agent started this process and serves a store for the whole job."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) and "TORCHELASTIC_RUN_ID" in os.environ
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
 def current(timeout: Optional[timedelta] = None) -> Optional[ElasticAttempt]:
