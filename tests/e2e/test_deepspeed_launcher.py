@@ -27,7 +27,8 @@ def _script_and_config(tmp_path: Path) -> tuple[Path, Path]:
     """train_ds.py as a DeepSpeed user has it (`import deepspeed`), and its config at stage 2."""
     source = (SCRIPT_DIR / "train_ds.py").read_text()
     script = tmp_path / "train.py"
-    script.write_text(source.replace("import zerodp.deepspeed as deepspeed  # was: import deepspeed", "import deepspeed"))
+    script.write_text(source.replace("import zerodp.deepspeed as deepspeed  # was: import deepspeed",
+                                     "import deepspeed"))
     assert "import deepspeed\n" in script.read_text()
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(ds_config(2)))

@@ -160,7 +160,7 @@ def _plan_launch(tmp_path, *argv, env=None):
     return runner.plan_launch(runner.parse_args(list(argv)), {"PATH": "/usr/bin", **(env or {})})
 
 
-def test_one_host_runs_torchrun_here_and_several_go_through_the_launcher(tmp_path, monkeypatch):
+def test_one_host_runs_torchrun_here_and_several_go_through_the_launcher(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hosts").write_text("localhost slots=4\n")
     command, env = _plan_launch(tmp_path, "--hostfile", "hosts", "--master_port", "29601", "t.py", "--lr", "1")
@@ -172,8 +172,9 @@ def test_one_host_runs_torchrun_here_and_several_go_through_the_launcher(tmp_pat
     command, _ = _plan_launch(tmp_path, "--hostfile", "hosts", "--launcher", "OpenMPI", "t.py")
     assert command[:5] == ["mpirun", "-n", "2", "--host", "node-a,node-b"]
     assert "--master_addr=node-a" in command  # the first host, as the hostfile names it
-    command, _ = _plan_launch(tmp_path, "--hostfile", "hosts", "--include", "node-b", "t.py")
+    command, _ = _plan_launch(tmp_path, "--hostfile", "hosts", "--include", "node-b", "--launcher_args=--mca x", "t.py")
     assert command[4:6] == ["--nnodes=1", "--nproc_per_node=2"]  # a filter that leaves one host: torchrun here
+    assert "--launcher_args '--mca x' is not used" in capsys.readouterr().err  # said, not silently dropped
     command, _ = _plan_launch(tmp_path, "--hostfile", "hosts", "--include", "node-b", "--force_multi", "t.py")
     assert command[:6] == ["pdsh", "-S", "-f", "1024", "-w", "node-b"]
     command, env = _plan_launch(tmp_path, "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "t.py")
@@ -192,6 +193,8 @@ def test_one_host_runs_torchrun_here_and_several_go_through_the_launcher(tmp_pat
     (["--save_pid", "t.py"], r"--save_pid: .*the pid file"),
     (["--enable_each_rank_log", "logs", "t.py"], r"--enable_each_rank_log: .*per-rank log files"),
     (["--no_ssh", "t.py"], r"--no_ssh starts only this host's part: give its --node_rank"),
+    (["--launcher", "impi", "t.py"], r"--launcher 'impi' is not supported; choose one of pdsh, openmpi, mpich, slurm"),
+    (["--launcher", "slurm", "--venv_script", "v.sh", "t.py"], r"--venv_script is for --launcher pdsh"),
 ])
 def test_bad_launches_are_refused_before_anything_starts(tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)

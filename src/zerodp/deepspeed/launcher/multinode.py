@@ -4,12 +4,13 @@ One host (no hostfile, or a filter that leaves one host, and no `--force_multi`)
 Several hosts: one process per host, started by the cluster's own tool, runs `zerodp.deepspeed.launcher.launch`
 (launch.py), which becomes torchrun for that host's slots:
 
-| launcher | starts one process per host with | the node's index |
-|---|---|---|
-| pdsh (default) | `pdsh -S -f 1024 -w H1,H2 'export ...; cd CWD; python -u -m zerodp.deepspeed.launcher.launch ...'` over ssh | pdsh's `%n` (the host's position in -w, the hostfile's order) |
-| openmpi | `mpirun -n H --host H1,H2 --map-by ppr:1:node -x K=V ... python -u -m ...launch ...` | OMPI_COMM_WORLD_RANK |
-| mpich | `mpirun -n H -ppn 1 -hosts H1,H2 -genv K V ... python -u -m ...launch ...` | PMI_RANK |
-| slurm | `srun -n H --ntasks-per-node=1 --nodes=H [--nodelist=...] --export=ALL,K=V,... python -u -m ...launch ...` | none: c10d rendezvous at MASTER_ADDR:MASTER_PORT (srun chooses the placement) |
+- pdsh (the default): `pdsh -S -f 1024 -w H1,H2 'export ...; cd CWD; python -u -m zerodp.deepspeed.launcher.launch
+  --node_rank=%n ...'` over ssh; the node's index is pdsh's `%n` (its position in -w: the hostfile's order).
+- openmpi: `mpirun -n H --host H1,H2 --map-by ppr:1:node -x K=V ... python -u -m ...launch
+  --node_rank_env=OMPI_COMM_WORLD_RANK ...`.
+- mpich: `mpirun -n H -ppn 1 -hosts H1,H2 -genv K V ... python -u -m ...launch --node_rank_env=PMI_RANK ...`.
+- slurm: `srun -n H --ntasks-per-node=1 --nodes=H [--nodelist=...] --export=ALL,K=V,... python -u -m ...launch
+  --c10d=ID ...`: no node index (srun chooses the placement), c10d rendezvous at MASTER_ADDR:MASTER_PORT.
 
 What every node gets (`exports`): ZERODP_DEEPSPEED_ALIAS=1 (the alias), PYTHONPATH with the launching directory
 first (as DeepSpeed does), the launching shell's variables whose names start with one of DeepSpeed's prefixes
@@ -95,8 +96,9 @@ def deepspeed_env_files(env: dict) -> list[Path]:
 
 def node_launch(plan: LaunchPlan, where: list[str]) -> list[str]:
     """The per-host process (launch.py) that becomes torchrun; `where` says how it finds its node."""
-    return [plan.python, "-u", "-m", "zerodp.deepspeed.launcher.launch", f"--world_info={encode_world_info(plan.active)}",
-            *where, f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}",
+    world_info = f"--world_info={encode_world_info(plan.active)}"
+    return [plan.python, "-u", "-m", "zerodp.deepspeed.launcher.launch", world_info, *where,
+            f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}",
             *(["--module"] if plan.module else []), *([] if plan.local_rank else ["--no_local_rank"]),
             plan.script, *plan.script_args]
 

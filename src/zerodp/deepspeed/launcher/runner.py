@@ -91,6 +91,13 @@ def _refuse_unsupported(ns: argparse.Namespace) -> None:
     for name, what in UNSUPPORTED.items():
         if getattr(ns, name):
             raise LauncherError(f"--{name}: zerodp's launcher does not provide {what}; drop the option")
+    if ns.launcher.lower() not in LAUNCHERS:
+        raise LauncherError(f"--launcher {ns.launcher!r} is not supported; choose one of {', '.join(LAUNCHERS)} "
+                            f"(each starts torchrun on every host)")
+    for name in ("ssh_port", "venv_script"):
+        if getattr(ns, name) is not None and ns.launcher.lower() != "pdsh":
+            raise LauncherError(f"--{name} is for --launcher pdsh (ssh); with {ns.launcher} drop it, or set it up "
+                                f"in the launcher's own way (--launcher_args)")
 
 
 def _pool(ns: argparse.Namespace, env: dict) -> tuple[dict, bool]:
@@ -137,6 +144,10 @@ def plan_launch(ns: argparse.Namespace, env: dict) -> tuple[list[str], dict]:
         plan.exports = exports(env, deepspeed_env_files(env), plan.cwd)
         return no_ssh_command(plan, ns.node_rank, env)
     if not multi:
+        if plan.launcher_args:
+            print(f"zerodp-deepspeed: warning: one host, so torchrun runs here and --launcher_args "
+                  f"{ns.launcher_args!r} is not used (--force_multi goes through --launcher {ns.launcher})",
+                  file=sys.stderr)
         return local_command(plan, env)
     launcher = ns.launcher.lower()
     plan.exports = exports(env, deepspeed_env_files(env), plan.cwd)
