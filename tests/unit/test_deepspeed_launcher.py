@@ -237,3 +237,29 @@ def test_pdsh_needs_passwordless_ssh_to_the_first_host_unless_told_not_to_check(
                                             r"PasswordAuthentication=no -p 2222 node-a hostname failed\)"):
         runner._check_reachable(runner.parse_args(["--ssh_port", "2222", "t.py"]), command, env)
     runner._check_reachable(runner.parse_args(["--no_ssh_check", "t.py"]), command, env)  # no probe
+
+
+def test_run_runs_a_module_as_python_m_with_local_rank_first(tmp_path, monkeypatch):
+    # DeepSpeed's `--module`: each rank runs `python -m zerodp.deepspeed.run --local_rank --module pkg.train ARGS`
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    out = tmp_path / "seen.txt"
+    (tmp_path / "pkg" / "train.py").write_text(
+        f"import sys, deepspeed\nopen({str(out)!r}, 'w').write(__name__ + ' ' + deepspeed.__name__ + ' ' + "
+        f"' '.join(sys.argv[1:]))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    saved = {k: v for k, v in sys.modules.items() if k == "deepspeed" or k.startswith(("deepspeed.", "pkg"))}
+    saved_path = list(sys.meta_path)
+    from zerodp.deepspeed.run import main
+
+    try:
+        main(["--local_rank", "--module", "pkg.train", "--zero_stage", "2"])
+        assert out.read_text() == "__main__ zerodp.deepspeed --local_rank=3 --zero_stage 2"  # under the alias
+    finally:
+        for k in [k for k in sys.modules if k == "deepspeed" or k.startswith(("deepspeed.", "pkg"))]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+        sys.meta_path[:] = saved_path
