@@ -263,3 +263,15 @@ def test_run_runs_a_module_as_python_m_with_local_rank_first(tmp_path, monkeypat
             del sys.modules[k]
         sys.modules.update(saved)
         sys.meta_path[:] = saved_path
+
+
+def test_the_default_hostfile_and_cuda_visible_devices_are_read_as_deepspeed_reads_them(tmp_path, monkeypatch):
+    default = tmp_path / "job-hostfile"
+    default.write_text("node-a slots=2\nnode-b slots=2\n")
+    monkeypatch.setattr(runner, "DEFAULT_HOSTFILE", str(default))  # /job/hostfile in DeepSpeed and here
+    command, _ = _plan_launch(tmp_path, "--launcher", "mpich", "t.py")
+    assert command[:7] == ["mpirun", "-n", "2", "-ppn", "1", "-hosts", "node-a,node-b"]
+    monkeypatch.setattr(runner, "DEFAULT_HOSTFILE", str(tmp_path / "absent"))
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)  # as torch counts under CUDA_VISIBLE_DEVICES=2,3
+    command, env = _plan_launch(tmp_path, "t.py", env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert "--nproc_per_node=2" in command and env["CUDA_VISIBLE_DEVICES"] == "2,3"  # the same two devices
