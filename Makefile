@@ -31,20 +31,26 @@ train: setup
 # ([Note: nothing after tests/gpu sees its group] in tests/gpu/one_rank.py). The first run hides any GPU
 # (CUDA_VISIBLE_DEVICES=): on a GPU host it tests what CI tests (2 gloo ranks per job, CPU tensors), which
 # `zerodp train`'s GPU defaults would otherwise change (e.g. --nproc 2 on one GPU is refused). Fails if either failed.
+# Every test's wall and CPU seconds go to $(DURATIONS)/<target>.csv (tests/duration_log.py), which CI keeps; each
+# run ends with its ten slowest tests and a report of any test over 30 s neither marked `slow` nor in tests/e2e/.
 FAST_TESTS := tests/unit tests/e2e/test_cli.py tests/e2e/test_docs.py
+DURATIONS := .ci/durations
+LOG_DURATIONS = -p tests.duration_log --duration-log $(DURATIONS)/$(1).csv
 test: setup
-	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE --durations 15 -m "not slow" tests/unit tests/dist tests/hf tests/e2e; \
-	cpu=$$?; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE -m "not slow" tests/gpu; gpu=$$?; \
+	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE $(call LOG_DURATIONS,test) -m "not slow" tests/unit tests/dist tests/hf tests/e2e; \
+	cpu=$$?; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE $(call LOG_DURATIONS,test-gpu) -m "not slow" tests/gpu; gpu=$$?; \
 	test $$cpu -eq 0 -a $$gpu -eq 0
 
 # The long end-to-end runs `make test` leaves out to stay within 15 minutes on 2 cores (marked `slow`): a resume
 # at other world sizes (also covered by tests/e2e/test_multinode.py) and `zerodp train` resuming an offloaded run.
 test-slow: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE -m slow tests/e2e
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE $(call LOG_DURATIONS,test-slow) -m slow tests/e2e
 
-# The edit loop: unit and in-process tests only (well under a minute on 2 cores).
+# The edit loop: unit and in-process tests only, under a minute on 2 cores: the tests marked `heavy` (a few
+# seconds of CPU each: a subprocess, an engine's steps) are left to `make test`. The duration log's CPU seconds
+# show what to mark when it grows.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(FAST_TESTS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(call LOG_DURATIONS,test-fast) -m "not heavy and not slow" $(FAST_TESTS)
 
 # One GPU, on a lent GPU machine as it is (docs/gpu.md): tests/gpu with the machine's python3 (its CUDA torch)
 # and the wheels of `make gpu-wheels`; under 8 minutes; logs under $$OUT (or gpu-out/). Needs no venv.

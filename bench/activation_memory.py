@@ -2,7 +2,7 @@
 +cpu_checkpointing, +partition_activations and +both, against plan/activation_memory.py's formulas.
 
     torchrun --standalone --nproc_per_node 2 bench/activation_memory.py --model small --micro-batch 8
-    torchrun --standalone --nproc_per_node 2 bench/activation_memory.py --tp-model ...   # zerodp.models.tp_gpt
+    torchrun --standalone --nproc_per_node 2 bench/activation_memory.py --tp-model ...   # zerodp.tools.models.tp_gpt
     python bench/activation_memory.py --device cuda                                      # one GPU: no Pa rows
 
 The ranks form the model-parallel group that Pa partitions across. With the bundled (data-parallel) GPT,
@@ -35,9 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.harness.live_memory import in_use_bytes
 from zerodp.activations import DEVICE, HOST, Checkpointer, ModelParallelGroup, RNGStatesTracker
 from zerodp.config.activation_checkpointing import ActivationCheckpointingConfig as Settings
-from zerodp.plan import format_bytes
-from zerodp.plan.activation_memory import activation_memory
-from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
+from zerodp.tools.plan import format_bytes
+from zerodp.tools.plan.activation_memory import activation_memory
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS, lm_loss
 
 MIB = 2 ** 20
 SETTINGS = [("off", None), ("on", {}), ("+cpu", {"cpu_checkpointing": True}),
@@ -89,9 +89,9 @@ def build(args, device, mpu, tracker):
     if not args.tp_model:
         return GPT(cfg, seed=0).to(device), lambda logits, y: lm_loss(logits, y)
     try:
-        from zerodp.models.tp_gpt import TensorParallelGPT, tp_lm_loss
+        from zerodp.tools.models.tp_gpt import TensorParallelGPT, tp_lm_loss
     except ImportError:
-        raise SystemExit("--tp-model needs zerodp.models.tp_gpt (the tensor-parallel GPT)") from None
+        raise SystemExit("--tp-model needs zerodp.tools.models.tp_gpt (the tensor-parallel GPT)") from None
     model = TensorParallelGPT(cfg, mpu, rng=tracker, seed=0).to(device)
     model.blocks = torch.nn.ModuleList(_Checkpointed(b, None) for b in model.blocks)
     return model, lambda logits, y: tp_lm_loss(logits, y, mpu.get_tensor_model_parallel_group())

@@ -18,9 +18,9 @@ import argparse
 
 import torch
 
-from zerodp.app.corpus import ByteCorpus
-from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
-from zerodp.grads.grad_arithmetic import GradArithmetic
+from zerodp.tools.app.corpus import ByteCorpus
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS, lm_loss
+from zerodp.shard.grads.grad_arithmetic import GradArithmetic
 
 MODES = {  # name -> (communication dtype, accumulation dtype)
     "bf16 reduce, bf16 accumulate (default)": (torch.bfloat16, torch.bfloat16),

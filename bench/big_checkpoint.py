@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import zerodp  # noqa: E402
 from zerodp import comm  # noqa: E402
-from zerodp.models.gpt import GPT, GPTConfig  # noqa: E402
+from zerodp.tools.models.gpt import GPT, GPTConfig  # noqa: E402
 
 from bench.harness.big_offload import SIZES, _fixed_mmap_threshold, make_config  # noqa: E402
 from bench.harness.models import synthetic_tokens  # noqa: E402

@@ -67,7 +67,7 @@ def main() -> None:
     ckpt_bytes = sum(os.path.getsize(os.path.join(f"{work}/ckpt/t", f)) for f in os.listdir(f"{work}/ckpt/t"))
     print(f"model: Embedding({VOCAB}, {WIDTH}) + {DEPTH} x Linear({WIDTH}, {WIDTH}): {numel / 1e6:.1f}M parameters, "
           f"{numel * 4 / MiB:.0f} MiB fp32; largest tensor {largest / MiB:.0f} MiB; checkpoint {ckpt_bytes / MiB:.0f} MiB")
-    base, _ = peak_rss(["-c", "import zerodp.cli.main, zerodp.checkpoint"], NEW_SRC)
+    base, _ = peak_rss(["-c", "import zerodp.tools.cli.main, zerodp.checkpoint"], NEW_SRC)
     print(f"baseline (python + import zerodp, torch): {base / MiB:.0f} MiB")
     cases = [("before: whole state dict, then one file", OLD_SRC, [f"{work}/out-old.safetensors"]),
              ("after: folder, default 5GB shards (1 file)", NEW_SRC, [f"{work}/hf-one"]),

@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zerodp.cli.main import build_parser
-from zerodp.cli.estimate_rss import render_peak, shapes
+from zerodp.tools.cli.main import build_parser
+from zerodp.tools.cli.estimate_rss import render_peak, shapes
 from zerodp.config import load_config
-from zerodp.plan import estimate_activation_bytes
-from zerodp.plan.baseline import baseline_rss_bytes
-from zerodp.plan.model_shape import module_shape, run_shape_of
-from zerodp.plan.peak_rss import predict_peak_rss
+from zerodp.tools.plan import estimate_activation_bytes
+from zerodp.tools.plan.baseline import baseline_rss_bytes
+from zerodp.tools.plan.model_shape import module_shape, run_shape_of
+from zerodp.tools.plan.peak_rss import predict_peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -128,7 +128,7 @@ def case_small(baseline: int, mode: str, measure: bool, stage: int = 3):
 def case_3b(baseline: int):
     sys.path.insert(0, str(ROOT))
     from bench.harness.big_offload import SIZES, make_config
-    from zerodp.models.gpt import GPT
+    from zerodp.tools.models.gpt import GPT
 
     gpt = SIZES["3b"]
     block = 12 * gpt.n_embd ** 2 + 13 * gpt.n_embd

@@ -43,7 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import zerodp  # noqa: E402
 from zerodp import comm  # noqa: E402
-from zerodp.models.gpt import GPT, MODEL_PRESETS  # noqa: E402
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS  # noqa: E402
 
 NEW_TOKENS, PROMPT = 64, 8
 EVAL_BATCHES = 16  # per rank, of 4 x 64 tokens
@@ -164,7 +164,7 @@ class EvalSet(torch.utils.data.Dataset):
 def bench_evaluate(rounds: int, out_dir: str) -> dict:
     from transformers import Trainer, TrainingArguments
 
-    from zerodp.integrations.transformers import ZeroTrainer
+    from zerodp.adapters.hf.trainer import ZeroTrainer
 
     world = dist.get_world_size()
     data = EvalSet(EVAL_BATCHES * 4 * world)

@@ -51,7 +51,7 @@ STRATEGIES = ["ddp", "fsdp2", "fsdp2_offload", "zerodp1", "zerodp2", "zerodp3", 
 
 
 def model_config(size: str):
-    from zerodp.models.gpt import GPTConfig
+    from zerodp.tools.models.gpt import GPTConfig
 
     layers, width, heads, _, seq = SIZES[size]
     return GPTConfig(vocab_size=VOCAB[size], block_size=seq, n_layer=layers, n_head=heads, n_embd=width,
@@ -124,7 +124,7 @@ def run_one(strategy: str, size: str, tiny_steps: bool) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from zerodp.models.gpt import GPT
+    from zerodp.tools.models.gpt import GPT
 
     cuda = torch.cuda.is_available() and size != "tiny"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

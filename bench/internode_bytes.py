@@ -1,7 +1,8 @@
 """Inter-node bytes per step of every ZeRO mode, measured by the traffic recorder on a real two-node job.
 
-Two torchrun agents on this machine (`--nnodes 2`, 2 ranks each, static rendezvous on localhost), so
-torchrun's own LOCAL_WORLD_SIZE / GROUP_RANK tell zerodp where the node boundary is; the benchmark
+Two torchrun agents on this machine (`--nnodes 2`, 2 ranks each, static rendezvous on localhost), each
+given a host name of its own (ZERODP_HOSTNAME: zerodp groups ranks into nodes by host, and torchrun's
+LOCAL_WORLD_SIZE / GROUP_RANK agree with it) so zerodp sees the node boundary; the benchmark
 GPT (33.7M parameters, fp32, AdamW); for each mode one warm-up step, then two recorded steps. The
 recorder (`zerodp.comm.record`) labels each collective inter-node when its group has ranks on both
 nodes (comm/topology.py) and counts the ZeRO paper's volume: the buffer's bytes, twice for an
@@ -48,7 +49,7 @@ def worker(mode: str, out: str) -> None:
     import zerodp
     from zerodp import comm
     from bench.harness.models import BENCH_MODELS, synthetic_tokens
-    from zerodp.models.gpt import GPT, lm_loss
+    from zerodp.tools.models.gpt import GPT, lm_loss
 
     comm.init_distributed()
     rank = dist.get_rank()
@@ -92,7 +93,8 @@ def run_mode(mode: str) -> list[dict]:
         agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
                                     str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
                                     str(port), "--max_restarts", "0", __file__, "--worker", mode, out],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**env, "ZERODP_HOSTNAME": f"node{node}"})
                   for node in range(2)]
         for agent in agents:
             _, err = agent.communicate(timeout=900)

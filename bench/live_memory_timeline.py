@@ -25,7 +25,7 @@ from bench.harness.live_memory import in_use_bytes
 from bench.harness.models import BENCH_MODELS
 from bench.harness.strategies import STRATEGIES
 from bench.harness.worker import mean_over_ranks, train_step
-from zerodp.models.gpt import GPT
+from zerodp.tools.models.gpt import GPT
 
 MIB = 2 ** 20
 
@@ -84,10 +84,10 @@ class Timeline:
 
 
 def trace_zerodp(timeline: Timeline) -> None:
-    from zerodp.grads.grad_shard import GradShard
+    from zerodp.shard.grads.grad_shard import GradShard
     from zerodp.optim.optimizer import ShardedOptimizer
-    from zerodp.stage3.flat_unit import FlatUnit
-    from zerodp.stage3.module_unit import ModuleUnit
+    from zerodp.shard.stage3.flat_unit import FlatUnit
+    from zerodp.shard.stage3.module_unit import ModuleUnit
 
     timeline.trace_methods(FlatUnit, ["unshard", "wait_for_unshard", "reshard"])
     timeline.trace_methods(ModuleUnit, ["pre_backward", "release_backward_hold"])

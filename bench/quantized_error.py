@@ -22,8 +22,8 @@ import torch
 
 from zerodp.comm.quantize import dequantize, quantize
 from zerodp.comm.quantized import BLOCK_NUMEL
-from zerodp.app.corpus import ByteCorpus
-from zerodp.models.gpt import GPT, MODEL_PRESETS, lm_loss
+from zerodp.tools.app.corpus import ByteCorpus
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS, lm_loss
 
 
 def _flat(tensors) -> torch.Tensor:

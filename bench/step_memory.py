@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import zerodp
-from zerodp.models.gpt import GPT, GPTConfig
+from zerodp.tools.models.gpt import GPT, GPTConfig
 from zerodp.optim import transient_grads
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tests.dist.tensor_parallel_common import CFG, GAS, SEED, config, make_optimizer, micro_batch  # noqa: E402
-from zerodp.models.tp_gpt import TensorParallelGPT, tp_lm_loss  # noqa: E402
+from zerodp.tools.models.tp_gpt import TensorParallelGPT, tp_lm_loss  # noqa: E402
 from zerodp.tensor_parallel import (ModelParallelUnit, RNGStatesTracker, seed_model_parallel,  # noqa: E402
                                     tensor_parallel_specs)
 

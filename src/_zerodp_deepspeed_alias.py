@@ -30,7 +30,7 @@ from pathlib import Path
 
 ENV = "ZERODP_DEEPSPEED_ALIAS"
 ALIAS = "deepspeed"
-TARGET = "zerodp.deepspeed"
+TARGET = "zerodp.adapters.deepspeed"  # importable as zerodp.deepspeed too (zerodp/adapters/__init__.py)
 # the DeepSpeed release zerodp.deepspeed follows (tests/e2e/deepspeed_scripts/expected_deepspeed.json)
 DEEPSPEED_VERSION = "0.19.8"
 

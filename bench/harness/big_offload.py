@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import zerodp
 
 from zerodp import comm
-from zerodp.models.gpt import GPT, GPTConfig
+from zerodp.tools.models.gpt import GPT, GPTConfig
 from .models import synthetic_tokens
 
 SIZES = {

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zerodp.models.gpt import GPT
+from zerodp.tools.models.gpt import GPT
 from .big_offload import SIZES, _fixed_mmap_threshold, _peak_rss
 from .models import synthetic_tokens
 

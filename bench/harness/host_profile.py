@@ -19,7 +19,7 @@ from that tree in the same invocation, so before/after ratios come from one run 
 Collectives are real world-1 gloo calls (ZERODP_REAL_COLLECTIVES=1), as in the GPU measurement.
 
 [Note: the accelerator's gradient policy] At stages 2-3 the gradient hooks run one of two policies, decided by the
-device (`zerodp.placement.grad_views_every_round`): on a GPU each round's gradient buffer is zeroed and handed to
+device (`zerodp.offload.placement.grad_views_every_round`): on a GPU each round's gradient buffer is zeroed and handed to
 autograd as views (a memset beside the kernels saves a copy and a `.grad` reset per parameter on the host); on
 the CPU each gradient is copied in (the zeroing would cost a large CPU model two more passes over its gradients).
 This proxy stands for the GPU's host work, so its `zerodpN` rows run the GPU's policy on the CPU (the device's
@@ -55,7 +55,7 @@ WARMUP_STEPS = 2
 
 
 def proxy_config():
-    from zerodp.models.gpt import GPTConfig
+    from zerodp.tools.models.gpt import GPTConfig
 
     # deep and narrow: 324 parameters, 0.4M elements, kernels of microseconds
     return GPTConfig(vocab_size=256, block_size=16, n_layer=32, n_head=4, n_embd=32, tie_embeddings=False)
@@ -69,14 +69,14 @@ def profile_one(strategy: str, steps: int, micro_batch: int, accelerator_policy:
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from zerodp.models.gpt import GPT
+    from zerodp.tools.models.gpt import GPT
     from .models import synthetic_tokens
     from .strategies import STRATEGIES
 
     torch.set_num_threads(1)
     if accelerator_policy:  # never asked of the baseline tree, which has one policy
-        import zerodp.placement
-        zerodp.placement.grad_views_every_round = lambda device: True
+        import zerodp.offload.placement
+        zerodp.offload.placement.grad_views_every_round = lambda device: True
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
         cfg = proxy_config()

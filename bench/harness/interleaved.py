@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zerodp.models.gpt import GPT
+from zerodp.tools.models.gpt import GPT
 from .models import BENCH_MODELS
 from .strategies import STRATEGIES
 from .worker import mean_over_ranks, train_step

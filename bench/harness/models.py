@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from zerodp.models.gpt import GPTConfig
+from zerodp.tools.models.gpt import GPTConfig
 
 BENCH_MODELS = {
     "baseline": GPTConfig(vocab_size=8192, block_size=128, n_layer=8, n_head=8, n_embd=512, tie_embeddings=False),

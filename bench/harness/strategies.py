@@ -86,7 +86,7 @@ def fsdp1(model: nn.Module, strategy: str) -> Runner:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from zerodp.models.gpt import Block
+    from zerodp.tools.models.gpt import Block
 
     wrapped = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
                    auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
@@ -107,7 +107,7 @@ def fsdp2(model: nn.Module) -> Runner:
 
 
 def zerodp_stage(model: nn.Module, stage: int, **zero_keys) -> Runner:
-    from zerodp.engine import initialize
+    from zerodp.engine.zero_engine import initialize
 
     engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
                                {"zero_optimization": {"stage": stage, **zero_keys}})

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerodp import comm
-from zerodp.models.gpt import GPT
+from zerodp.tools.models.gpt import GPT
 from .live_memory import PeakSampler
 from .models import BENCH_MODELS, synthetic_tokens
 from .strategies import STRATEGIES

@@ -4,12 +4,16 @@
     loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 """
 
-from . import optim
+from .adapters import install_public_name as _install_public_name
+
+_install_public_name()  # `zerodp.deepspeed` names zerodp.adapters.deepspeed (zerodp/adapters/__init__.py)
+
+from . import optim  # noqa: E402
 from .config import ZeroConfig, load_config
 from .checkpoint import consolidate_checkpoint, consolidate_tensor_parallel, save_consolidated
-from .engine import ZeroEngine, initialize
+from .engine.zero_engine import ZeroEngine, initialize
 from .errors import CheckpointError, ConfigError, DivergenceError, NonFiniteError, PartitionedParameterError
-from .stage3 import gathered_parameters, init_context
+from .shard.stage3 import gathered_parameters, init_context
 
 __all__ = ["initialize", "ZeroEngine", "ZeroConfig", "ConfigError", "load_config", "optim"]
 __all__ += ["consolidate_checkpoint", "consolidate_tensor_parallel", "save_consolidated", "CheckpointError", "NonFiniteError", "DivergenceError"]

@@ -10,6 +10,11 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and the fix."""
 
 
+class LaunchError(ConfigError):
+    """The launcher's environment shows a job of several processes but cannot form one world (comm/launch_env.py);
+    the message names the variables seen and the fix."""
+
+
 class OptimizerError(ValueError):
     """An optimizer zerodp cannot step exactly on flat shards (or an ambiguous optimizer setup)."""
 

@@ -44,7 +44,7 @@ The cost is a page fault per 4 KiB when such a buffer is first written, paid onl
 offload (they traded speed for memory), and cut by huge pages (above); torch backs its own large tensors by
 them when the process starts with THP_MEM_ALLOC_ENABLE=1 (read once, at torch's first allocation, so it
 cannot be set from here; the start-up log line says so). The setting is process-wide: the Runtime
-(zerodp/runtime.py) restores glibc's default threshold when the last engine closes. glibc has no call that
+(zerodp/engine/runtime.py) restores glibc's default threshold when the last engine closes. glibc has no call that
 turns the dynamic raise back on, so "restored" means the default's value, 128 KiB, held fixed.
 """
 
@@ -160,3 +160,33 @@ def restore_malloc_defaults() -> bool:
     _set_mmap_threshold(DEFAULT_MMAP_THRESHOLD_BYTES)
     _mapped_threshold = None
     return True
+
+
+# [Note: freeing storage]
+# `tensor = None` or `param.data = empty` only drops one reference: autograd may still hold the
+# storage (saved tensors, views handed out earlier) and the bytes stay allocated. Resizing the
+# untyped storage to 0 releases the bytes immediately while every view keeps its metadata, and
+# resizing it back re-attaches fresh memory under the same views. A view read while its storage is
+# freed raises an error rather than returning stale values.
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release the bytes behind `tensor` (and all its views), keeping the tensor object usable later."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor: torch.Tensor, numel: int) -> None:
+    """Re-attach memory of `numel` elements behind a tensor whose storage was freed (contents undefined);
+    large CPU buffers are backed by huge pages where the system allows ([Note: huge pages for unit buffers])."""
+    storage = tensor.untyped_storage()
+    nbytes = numel * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+        advise_huge_pages(tensor)
+
+
+def is_storage_freed(tensor: torch.Tensor) -> bool:
+    """True when the tensor's storage has been released by `free_storage`."""
+    return tensor.untyped_storage().size() == 0

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
-from zerodp.models.gpt import GPTConfig, lm_loss
-from zerodp.models.tp_gpt import TensorParallelGPT, tp_lm_loss
+from zerodp.tools.models.gpt import GPTConfig, lm_loss
+from zerodp.tools.models.tp_gpt import TensorParallelGPT, tp_lm_loss
 from zerodp.tensor_parallel import (MODEL_PARALLEL_RNG, ModelParallelUnit, RNGStatesTracker, merge_state_dicts,
                                     seed_model_parallel, tensor_parallel_specs)
 from zerodp.tensor_parallel.random import MODEL_PARALLEL_SEED_OFFSET
@@ -65,7 +65,7 @@ class TPRun:
             self.tracker = RNGStatesTracker("cpu")
         self.model = model = TensorParallelGPT(CFG, self.mpu, rng=self.tracker, seed=SEED)
         if activation_checkpointing is not None:
-            from zerodp.deepspeed import checkpointing
+            from zerodp.adapters.deepspeed import checkpointing
 
             model.checkpoint_fn = checkpointing.checkpoint  # every block checkpointed, its input kept as configured
         self.specs = tensor_parallel_specs(model)
@@ -82,7 +82,7 @@ class TPRun:
     def reseed(self) -> None:
         """Seed torch's default generator and the tracker's model-parallel stream as Megatron does."""
         if self.checkpointing is not None:
-            from zerodp.deepspeed import checkpointing
+            from zerodp.adapters.deepspeed import checkpointing
 
             checkpointing.model_parallel_cuda_manual_seed(SEED)  # the tensor-parallel rank comes from the mpu
         else:
@@ -112,7 +112,7 @@ class TPRun:
 def _configure_checkpointing(mpu, settings: dict):
     """deepspeed.checkpointing.configure(mpu, deepspeed_config=...) with `settings`; returns its RNG tracker."""
     from zerodp.activations import PROCESS, RNGStatesTracker as ProcessTracker
-    from zerodp.deepspeed import checkpointing
+    from zerodp.adapters.deepspeed import checkpointing
 
     PROCESS.tracker = ProcessTracker("cpu")  # these gloo ranks compute on the CPU, also where CUDA exists
     checkpointing.configure(mpu, deepspeed_config={"activation_checkpointing": settings})

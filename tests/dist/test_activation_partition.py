@@ -14,9 +14,10 @@ import zerodp
 from zerodp.activations import DEVICE, HOST, Checkpointer, RNGStatesTracker
 from zerodp.activations.model_parallel import ModelParallelGroup
 from zerodp.config.activation_checkpointing import ActivationCheckpointingConfig as Settings
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
 import zerodp.deepspeed as deepspeed
 from tests.activation_regions import assert_same, region_input_bytes, train
+from tests.oracle import train_reference
 
 
 class GroupMPU:
@@ -137,18 +138,13 @@ def engine_case(name: str):
 
 
 def reference():
-    model = gpt(0.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
+    def step_loss(model, step: int) -> torch.Tensor:
         x, y = batch(step, MICRO * 2)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return lm_loss(model(x), y)
+
+    model = gpt(0.0)
+    ref = train_reference(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), STEPS, step_loss, clip=0.5)
+    return ref.losses, ref.params
 
 
 @pytest.mark.parametrize("name", list(ENGINE_CASES))

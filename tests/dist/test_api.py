@@ -7,10 +7,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
-import zerodp.integrations.vissl
-from zerodp.vissl import load_vissl
+import zerodp.adapters.vissl.vissl_engine
+from zerodp.config.vissl import load_vissl
 from tests.dist.common import make_model, micro_batch
-from tests.unit.test_config import VISSL_YAML
+from tests.unit.config.test_config import VISSL_YAML
 
 
 def train(engine, model, steps=4) -> list[torch.Tensor]:
@@ -35,7 +35,7 @@ def config_section_vs_explicit(yaml_path: str) -> bool:
     same_ds = all(torch.equal(p, q) for p, q in zip(train(ea, a), train(eb, b)))
     # VISSL: OPTIMIZER.name zero + LARC + USE_SDP (stage 2)
     c = make_model()
-    ec, _ = zerodp.integrations.vissl.initialize(load_vissl(yaml_path), c, steps_per_epoch=1)
+    ec, _ = zerodp.adapters.vissl.vissl_engine.initialize(load_vissl(yaml_path), c, steps_per_epoch=1)
     assert ec.stage == 2 and isinstance(ec.optimizer.optimizer, zerodp.optim.LARC)
     d = make_model()
     larc = zerodp.optim.LARC(torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-6),

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
-from zerodp.grads import bucket_intake
+from zerodp.shard.grads import bucket_intake
 from tests.dist import test_stage3_parity
 from tests.dist.common import make_model, make_optimizer, micro_batch
 

@@ -17,7 +17,7 @@ from tests.dist.common import (assert_matches_reference, make_model, make_optimi
                                train_steps)
 from zerodp.checkpoint import format as fmt
 from zerodp.checkpoint import consolidate_main
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 
 GAS, CLIP, GLOBAL_ROWS = 2, 0.5, 12  # 12 rows: micro batches of 3 at world 2, of 2 at world 3
@@ -48,7 +48,7 @@ def live_state(model, stage: int) -> dict:
     """The model's own state_dict, gathered first where its parameters are partitioned (stage 3)."""
     gather = contextlib.nullcontext()
     if stage == 3:
-        from zerodp.stage3 import gathered_parameters
+        from zerodp.shard.stage3 import gathered_parameters
 
         gather = gathered_parameters(list(model.parameters()))
     with gather:

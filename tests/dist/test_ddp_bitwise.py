@@ -1,4 +1,4 @@
-"""README, "Performance against the peers": zerodp's losses are bitwise identical to DDP's at every stage.
+"""docs/performance.md ("Performance against the peers"): zerodp's losses are bitwise identical to DDP's at every stage.
 
 torch's DistributedDataParallel and zerodp at stages 0-3 train the bundled tiny GPT (tied embedding,
 layer norms) and the parity net (a frozen layer, an unused one) side by side on the same 2 gloo
@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerodp
 from tests.dist.common import make_model, micro_batch
-from zerodp.models.gpt import GPT, MODEL_PRESETS
+from zerodp.tools.models.gpt import GPT, MODEL_PRESETS
 
 STEPS, MICRO_BS = 8, 3
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import zerodp.deepspeed as deepspeed
 from zerodp.deepspeed.forward_engine import ForwardEngine
-from zerodp.stage3 import PartitionedParameter
+from zerodp.shard.stage3 import PartitionedParameter
 
 # the biases (16 elements) stay whole; the weights (>= 64 elements) are sharded
 CONFIG = {"train_batch_size": 4, "bf16": {"enabled": True},

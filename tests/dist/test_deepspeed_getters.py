@@ -1,4 +1,4 @@
-"""The DeepSpeed calls the README lists for reading a sharded run (README, "Switching from DeepSpeed"):
+"""The DeepSpeed calls docs/deepspeed.md lists for reading a sharded run ("Switching from DeepSpeed"):
 `deepspeed.utils.safe_get_full_grad` / `safe_get_full_optimizer_state` / `safe_get_full_fp32_param`,
 `engine.get_global_grad_norm()` and `engine.is_gradient_accumulation_boundary()`, at stages 2 and 3
 on 2 and 3 gloo ranks with gradient accumulation and clipping, against a plain PyTorch reference
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import zerodp.deepspeed as deepspeed
 from tests.dist.common import make_model, micro_batch
+from tests.oracle import train_reference
 
 GAS, MICRO_BS, CLIP, LR = 2, 3, 0.05, 1e-2
 TOL = {"rtol": 1e-5, "atol": 1e-7}
@@ -32,18 +33,20 @@ def _reference(world: int) -> dict:
     model = make_model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     out = {}
-    for step in range(2):
-        for micro in range(GAS):
-            rows = [micro_batch(step, micro, r, world, MICRO_BS, GAS) for r in range(world)]
-            x, y = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
-            (F.mse_loss(model(x), y) / GAS).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], CLIP).item()
-        opt.step()
-        opt.zero_grad()
-        out[step] = {"grads": grads, "norm": norm}
+
+    def micro_loss(model, step: int, micro: int) -> torch.Tensor:
+        rows = [micro_batch(step, micro, r, world, MICRO_BS, GAS) for r in range(world)]
+        return F.mse_loss(model(torch.cat([r[0] for r in rows])), torch.cat([r[1] for r in rows]))
+
+    def keep_grads(model, step: int) -> None:
+        out[step] = {"grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+    ref = train_reference(model, opt, 2, micro_loss, clip=CLIP, accumulation=GAS, after_backward=keep_grads,
+                          named_parameters_only=True)
+    for step, norm in enumerate(ref.grad_norms):
+        out[step]["norm"] = norm
     out["exp_avg"] = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters() if p in opt.state}
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["params"] = ref.params
     return out
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import zerodp
 from zerodp import comm
 from tests.dist.common import make_model, micro_batch
-from zerodp.stage3 import params as stage3_params
+from zerodp.shard.stage3 import params as stage3_params
 
 
 def _resources() -> dict:

@@ -19,7 +19,7 @@ arithmetic. Each case also checks that its arithmetic changes the result against
 - fp32 reduction of bf16 gradients accumulated in bf16: the fp32 sum of two bf16 values is exact, so
   casting it back rounds once, as the bf16 sum does (and halving commutes with rounding).
 There the wiring is checked instead (the engine's divisors and reduction dtype), and the arithmetic at
-3 ranks by tests/unit/test_grad_arithmetic.py.
+3 ranks by tests/unit/shard/test_grad_arithmetic.py.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from tests.oracle import train_reference
 from tests.dist.common import assert_adam_params_close
 
 transformers = pytest.importorskip("transformers")
@@ -47,16 +48,12 @@ def plain_run(make, opt_for, steps: int, world: int, checkpointing: bool = False
     model = make()
     if checkpointing:
         model.gradient_checkpointing_enable()
-    opt = opt_for([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for step in range(steps):
+    def step_loss(model, step: int) -> torch.Tensor:
         ids = batch(step, MICRO_BS * world)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, losses
+        return model(input_ids=ids, labels=ids).loss
+
+    ref = train_reference(model, opt_for([p for p in model.parameters() if p.requires_grad]), steps, step_loss)
+    return ref.model, ref.losses
 
 
 def zero_run(make, opt_for, steps: int, checkpointing: bool = False):
@@ -147,7 +144,7 @@ def init_context_case():
     """from_config inside zerodp.init_context: parameters are born partitioned; then train like the plain model."""
     with zerodp.init_context(STAGE3):
         model = make_gpt2()
-    partitioned = all(isinstance(p, zerodp.stage3.PartitionedParameter) for p in model.parameters())
+    partitioned = all(isinstance(p, zerodp.shard.stage3.PartitionedParameter) for p in model.parameters())
     engine = zerodp.initialize(model, sgd(list(model.parameters())), STAGE3)
     world, rank = dist.get_world_size(), dist.get_rank()
     losses = []

@@ -1,6 +1,7 @@
 """ZeRO++ hpZ (`zero_hpz_partition_size`): secondary shards inside a node ([Note: secondary shards]).
 
-4 gloo ranks as 2 nodes x 2 (torchrun's LOCAL_WORLD_SIZE=2 set in the workers), hpZ blocks of 2:
+4 gloo ranks as 2 nodes x 2 (2 simulated hosts, ZERODP_HOSTNAME, and torchrun's variables saying so), hpZ blocks
+of 2:
 - placement only, so exact: the stage-3 parity cases where gathers are subtle (a module called twice,
   tied embeddings, a frozen unit, activation checkpointing that re-gathers inside backward, gradient
   accumulation: 2 micro-steps per step) equal plain single-process PyTorch with the same tolerance as
@@ -22,23 +23,40 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp import comm
+from zerodp.comm import topology
 from tests.dist import common
 from tests.dist.test_stage3_parity import CASES, assert_matches, full_state, make, reference_case, zerodp_case
 
 HPZ = {"zero_hpz_partition_size": 2}
 
 
-def _as_two_nodes(fn, *args, **kwargs):
-    """Run `fn` with torchrun's node layout of 2 ranks per node (the pooled workers have none)."""
-    saved = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+def on_two_hosts(hints: dict, fn, *args, **kwargs):
+    """Run `fn` with this rank on simulated host node<rank // 2> (ZERODP_HOSTNAME: the node layout comes from the
+    hosts, comm/topology.py) and the launcher's variables `hints` set; both undone after, and the hosts forgotten
+    (the pooled workers run other cases on one host)."""
+    rank = dist.get_rank()
+    env = {"ZERODP_HOSTNAME": f"node{rank // 2}", **{k: v.format(rank=rank, node=rank // 2) for k, v in hints.items()}}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return fn(*args, **kwargs)
     finally:
-        if saved is None:
-            del os.environ["LOCAL_WORLD_SIZE"]
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+        topology.forget_hosts()
+
+
+TORCHRUN_HINTS = {"RANK": "{rank}", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "{node}"}
+# DeepSpeed's per-node launch (launcher/launch.py): LOCAL_SIZE and CROSS_RANK/CROSS_SIZE, no LOCAL_WORLD_SIZE
+DEEPSPEED_HINTS = {"RANK": "{rank}", "WORLD_SIZE": "4", "LOCAL_SIZE": "2", "CROSS_RANK": "{node}", "CROSS_SIZE": "2"}
+
+
+def _as_two_nodes(fn, *args, **kwargs):
+    """Run `fn` as 2 nodes x 2: 2 simulated hosts, torchrun's variables saying the same."""
+    return on_two_hosts(TORCHRUN_HINTS, fn, *args, **kwargs)
 
 
 def hpz_case(name: str, zero: dict) -> tuple:

@@ -1,6 +1,6 @@
 """MiCS / FSDP2's HSDP (`mics_shard_size`): shard inside blocks, replicate across them ([Note: replicated shards]).
 
-4 gloo ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2 in the workers), blocks of 2 (= HSDP: shard in the node):
+4 gloo ranks as 2 nodes x 2 (2 simulated hosts, test_hpz's _as_two_nodes), blocks of 2 (= HSDP: shard in the node):
 - placement only, so exact: the stage-3 parity cases (a module called twice, tied embeddings, a frozen
   unit, both activation checkpointings, gradient accumulation, clipping by the global norm) equal plain
   single-process PyTorch with plain stage 3's tolerance;
@@ -13,12 +13,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import zerodp
 from zerodp import comm
-from tests.dist.test_hpz import _as_two_nodes, load_and_train, refusal, save_after_training
+from zerodp.comm import topology
+from tests.dist.test_hpz import (DEEPSPEED_HINTS, _as_two_nodes, load_and_train, on_two_hosts, refusal,
+                                 save_after_training)
+from tests.dist.test_node_layout import _Collect
 from tests.dist.test_stage3_parity import assert_matches, reference_case, zerodp_case
 
 MICS = {"mics_shard_size": 2}
@@ -105,3 +110,38 @@ def test_two_hop_gathers_are_exact_and_cross_nodes_with_a_share_of_the_bytes(dis
     for (_, _, traffic), (_, _, plain) in zip(results, dist_run(4, mics_case, "gpt_tied", {})):
         assert traffic["param:all_gather:inter"] == pytest.approx(plain["param:all_gather:inter"] / 2, rel=0.02)
         assert traffic["param:all_gather:intra"] == pytest.approx(plain["param:all_gather:inter"], rel=0.02)
+
+
+def _case_and_layout(name: str, zero: dict) -> tuple:
+    losses, state = zerodp_case(name, zero=zero)
+    return losses, state, tuple(topology.node_layout())
+
+
+def deepspeed_launch_case(name: str, zero: dict) -> tuple:
+    """The parity case under DeepSpeed's per-node launch variables (LOCAL_SIZE, CROSS_RANK/CROSS_SIZE, no
+    LOCAL_WORLD_SIZE) on 2 hosts: its losses, state, node layout, inter-/intra-node parameter gather bytes and
+    the warnings logged."""
+    handler = _Collect()
+    logging.getLogger("zerodp").addHandler(handler)
+    try:
+        with comm.record() as log:
+            losses, state, layout = on_two_hosts(DEEPSPEED_HINTS, _case_and_layout, name, zero)
+    finally:
+        logging.getLogger("zerodp").removeHandler(handler)
+    gathers = [r for r in log.records if r.op == "all_gather" and r.tag == "param"]
+    inter = sum(r.volume_bytes for r in gathers if r.crosses_nodes)
+    intra = sum(r.volume_bytes for r in gathers if not r.crosses_nodes)
+    return losses, state, layout, inter, intra, handler.messages
+
+
+@pytest.mark.parametrize("zero", [TWO_HOPS, {"zero_hpz_partition_size": 2}], ids=["mics_two_hops", "hpz"])
+def test_mics_and_hpz_see_two_nodes_under_deepspeeds_launch_variables(dist_run, zero):
+    """Issue 41: under DeepSpeed's launch, zerodp saw 1 node of 4, so the two-hop gather did nothing and hpZ's
+    cross-node warning never fired. Now: 2 nodes of 2, both gather inside the node where they should, exactly."""
+    results = dist_run(4, deepspeed_launch_case, "gpt_tied", zero)
+    ref_losses, ref_state, _ = reference_case("gpt_tied", 4)
+    assert_matches([(r[0], r[1]) for r in results], ref_losses, ref_state)
+    for _, _, layout, inter, intra, warnings in results:
+        assert layout == (2, 2, True)
+        assert inter > 0 and intra > 0, "some parameter gathers stay inside a node, some cross (2 nodes seen)"
+        assert not [w for w in warnings if "launcher's variables say" in w or "hpZ" in w], warnings

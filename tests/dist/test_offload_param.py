@@ -151,7 +151,7 @@ def built_offloaded(nvme_dir: str) -> dict:
     cfg = make_config(nvme_dir, 40, 2, with_optimizer=True)
     with zerodp.init_context(cfg):
         model = make_model()
-    from zerodp.stage3.params import owner_of
+    from zerodp.shard.stage3.params import owner_of
 
     records = [owner_of(p) for p in model.parameters() if owner_of(p) is not None]
     home = records[0].ctx.param_home

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerodp import placement
-from zerodp.grads.grad_shard import GradShard
+from zerodp.offload import placement
+from zerodp.shard.grads.grad_shard import GradShard
 from tests.dist import test_grad_hygiene, test_parity, test_stage3_parity
 from tests.dist.common import zerodp_run
 

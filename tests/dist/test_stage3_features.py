@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import zerodp
 from zerodp import comm
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
 from tests.dist.test_stage3_parity import BatchNormNet, FrozenEmbedNet, float_batch, pooled_batch
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp import comm
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -247,10 +247,10 @@ def test_generate_then_train_loop_equals_unsharded_and_memory_is_flat(dist_run):
 
 
 def train_path_run() -> dict:
-    from zerodp.app.corpus import ByteCorpus
-    from zerodp.models.gpt import MODEL_PRESETS
-    from zerodp.app.train import SAMPLE_NEW_BYTES, evaluate, sample_text
-    from zerodp.app.train_args import TrainArgs
+    from zerodp.tools.app.corpus import ByteCorpus
+    from zerodp.tools.models.gpt import MODEL_PRESETS
+    from zerodp.tools.app.train import SAMPLE_NEW_BYTES, evaluate, sample_text
+    from zerodp.tools.app.train_args import TrainArgs
 
     model = GPT(MODEL_PRESETS["tiny"], seed=0)
     cfg = {"train_micro_batch_size_per_gpu": 2, **config("Block")}

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zerodp
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
 from tests.dist import common
 
 STEPS, MICRO_BS, GAS, CLIP = 4, 2, 2, 0.5
@@ -316,7 +316,7 @@ def zerodp_case(name: str, bf16: bool = False, stage: int = 3, optimizer=None,
 
 def assert_partitioned_at_creation(model: nn.Module, world: int) -> None:
     """After init_context: every large parameter holds only its 1/N slice, its full storage released."""
-    from zerodp.stage3.params import owner_of
+    from zerodp.shard.stage3.params import owner_of
 
     for name, p in model.named_parameters():
         record = owner_of(p)

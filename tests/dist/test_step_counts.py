@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
+from tests.oracle import train_reference
 from tests.dist.common import (HID, IN, OUT, assert_matches_reference, assert_trained, global_batch,
                                mixed_precision_reference, optimizer_chunks, param_groups)
 
@@ -64,19 +65,14 @@ def config(stage: int, bf16: bool = False, offload: bool = False) -> dict:
 
 def reference(steps: int = STEPS) -> tuple[list[float], dict, dict]:
     """Plain torch.optim.AdamW, one process, the global batch: losses, final and initial parameters."""
+    def step_loss(model: nn.Module, step: int) -> torch.Tensor:
+        x, y = global_batch(step, ROWS)
+        return F.mse_loss(model(x, PATHS[step]), y)
+
     model = Branches()
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = adamw(model)
-    losses = []
-    for step in range(steps):
-        x, y = global_batch(step, ROWS)
-        loss = F.mse_loss(model(x, PATHS[step]), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, init
+    ref = train_reference(model, adamw(model), steps, step_loss, clip=CLIP)
+    return ref.losses, ref.params, init
 
 
 def train(engine, first: int, steps: int) -> list[float]:

@@ -24,8 +24,8 @@ from zerodp.activations import DEVICE, HOST
 from zerodp.checkpoint.consolidate import consolidate_tensor_parallel, save_consolidated
 import zerodp
 from zerodp.errors import CheckpointError
-from zerodp.models.gpt import GPT
-from zerodp.models.tp_gpt import TensorParallelGPT
+from zerodp.tools.models.gpt import GPT
+from zerodp.tools.models.tp_gpt import TensorParallelGPT
 from zerodp.tensor_parallel import ModelParallelUnit
 
 STEPS = 3
@@ -120,7 +120,7 @@ def deepspeed_case() -> dict:
     losses, norms = run.train(range(STEPS))
     e = run.engine
     getters = (e.global_rank, e.world_size, e.dp_world_size, e.mp_world_size)
-    from zerodp.deepspeed import zero
+    from zerodp.adapters.deepspeed import zero
 
     # zero.Init(mpu=) creates stage-3 parameters partitioned over the same data-parallel group
     assert zero.Init(config_dict_or_path=config(3), mpu=run.mpu).group is run.mpu.get_data_parallel_group()

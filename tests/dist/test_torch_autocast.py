@@ -1,5 +1,5 @@
 """DeepSpeed's `torch_autocast` section at stages 0-3 on 2 gloo ranks, bitwise against a plain-PyTorch
-reference that does the same arithmetic in one process (zerodp/autocast.py says what the section means).
+reference that does the same arithmetic in one process (zerodp/precision/autocast.py says what the section means).
 
 The reference runs the parity model (fp32 parameters) under `torch.autocast("cpu", bfloat16)` on each
 rank's micro-batches in turn and reduces as DeepSpeed does: the Linear layers' gradients (weights and

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import zerodp
 from zerodp import comm
-from zerodp.grads.reduce_queue import MAX_INFLIGHT
+from zerodp.shard.grads.reduce_queue import MAX_INFLIGHT
 from tests.dist.common import make_model, make_optimizer, micro_batch
 
 

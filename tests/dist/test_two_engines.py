@@ -1,7 +1,7 @@
 """Two engines in one process, as a trainer with a second model has them: engine A (stage 2, ParityNet, AdamW)
 and engine B (stage 3, another model, SGD with momentum) step side by side on 2 gloo ranks; A is closed while
 B trains on. Each equals its own plain-PyTorch reference (losses and parameters), and the process-wide state
-is given back in order (zerodp/runtime.py): A's close() leaves the default group and the watchdog settings B
+is given back in order (zerodp/engine/runtime.py): A's close() leaves the default group and the watchdog settings B
 uses; B's close(), the last, destroys the default group zerodp created and restores the settings of before.
 
 The ranks are launched as torchrun launches them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so that
@@ -25,6 +25,7 @@ from torch import nn
 import zerodp
 from tests.dist.common import (IN, OUT, assert_matches_reference, global_batch, make_model, make_optimizer,
                                micro_batch, reference_run)
+from tests.oracle import train_reference
 from zerodp.comm import watchdog
 
 WORLD, MICRO_BS, STEPS_A, STEPS_B = 2, 2, 3, 5
@@ -42,17 +43,13 @@ def optimizer_b(model: nn.Module) -> torch.optim.Optimizer:
 
 def reference_b() -> tuple[list[float], dict]:
     """Model B trained by plain PyTorch on the global batch, one process."""
-    model = model_b()
-    opt = optimizer_b(model)
-    losses = []
-    for step in range(STEPS_B):
+    def step_loss(model: nn.Module, step: int) -> torch.Tensor:
         x, y = global_batch(step, MICRO_BS * WORLD)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return F.mse_loss(model(x), y)
+
+    model = model_b()
+    ref = train_reference(model, optimizer_b(model), STEPS_B, step_loss)
+    return ref.losses, ref.params
 
 
 def _step(engine, step: int) -> float:

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
-import zerodp.integrations.vissl
-from zerodp.vissl import load_vissl
+import zerodp.adapters.vissl.vissl_engine
+from tests.oracle import train_reference
+from zerodp.config.vissl import load_vissl
 
 SWAV = Path(__file__).resolve().parents[1] / "configs" / "vissl" / "swav_8node_resnet.yaml"
 STEPS_PER_EPOCH, MICRO_BS = 6, 3
@@ -88,25 +89,26 @@ def reference(world: int) -> tuple[list[float], list[float], dict]:
     # SwAV's file: regularize_bn and regularize_bias True -> one decayed group, LARC (clip False, 1e-3)
     opt = zerodp.optim.LARC(torch.optim.SGD(model.parameters(), lr=0.6, momentum=0.9, weight_decay=1e-6),
                             trust_coefficient=0.001, clip=False, eps=1e-8)
-    losses, lrs = [], []
-    for step in range(STEPS_PER_EPOCH):
-        for g in opt.param_groups:
+    lrs = []
+
+    def schedule(model, optimizer, step: int) -> None:
+        for g in optimizer.param_groups:
             g["lr"] = swav_lr(step)
-        lrs.append(opt.param_groups[0]["lr"])
+        lrs.append(optimizer.param_groups[0]["lr"])
+
+    def step_loss(model, step: int) -> torch.Tensor:
         x = images(step, MICRO_BS * world)
-        loss = sum(swapped_loss(model, x[r * MICRO_BS:(r + 1) * MICRO_BS]) for r in range(world)) / world
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, lrs, {k: v.detach().clone() for k, v in model.named_parameters()}
+        return sum(swapped_loss(model, x[r * MICRO_BS:(r + 1) * MICRO_BS]) for r in range(world)) / world
+
+    ref = train_reference(model, opt, STEPS_PER_EPOCH, step_loss, before_step=schedule, named_parameters_only=True)
+    return ref.losses, lrs, ref.params
 
 
 def vissl_run(stage: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     setup = load_vissl(SWAV, overrides=OVERRIDES[stage])
     model = make_model()
-    engine, schedule = zerodp.integrations.vissl.initialize(setup, model, steps_per_epoch=STEPS_PER_EPOCH)
+    engine, schedule = zerodp.adapters.vissl.vissl_engine.initialize(setup, model, steps_per_epoch=STEPS_PER_EPOCH)
     assert engine.stage == stage and isinstance(engine.optimizer.optimizer, zerodp.optim.LARC)
     losses, lrs = [], []
     for step in range(STEPS_PER_EPOCH):

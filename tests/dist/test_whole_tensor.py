@@ -103,7 +103,7 @@ def one_step_traffic(stage: int, name: str) -> dict:
     import torch.distributed as dist
     from zerodp import comm
     from tests.dist.whole_tensor_common import global_batch
-    from zerodp.models.gpt import lm_loss
+    from zerodp.tools.models.gpt import lm_loss
 
     register()
     model = make_gpt()

@@ -63,7 +63,7 @@ def one_step(name: str) -> dict:
 
     from tests.dist.whole_tensor_common import global_batch
     from zerodp import comm
-    from zerodp.models.gpt import lm_loss
+    from zerodp.tools.models.gpt import lm_loss
 
     register()
     model = make_gpt()

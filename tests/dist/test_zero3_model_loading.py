@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp.errors import PartitionedParameterError
-from zerodp.stage3 import PartitionedParameter
+from zerodp.shard.stage3 import PartitionedParameter
 
 CFG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
@@ -63,7 +63,7 @@ def hf_zero3_from_pretrained_case(folder):
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    from zerodp.deepspeed import alias
+    from zerodp.adapters.deepspeed import alias
 
     rank = dist.get_rank()
     path = f"{folder}/tiny_opt"
@@ -79,7 +79,7 @@ def hf_zero3_from_pretrained_case(folder):
     saved_path = list(sys.meta_path)
     alias.install()
     # transformers' HfDeepSpeedConfig is accelerate's plus a version check of the `deepspeed` distribution
-    # (tests/unit/test_deepspeed_modules.py); this worker may have imported transformers before the alias,
+    # (tests/unit/adapters/test_deepspeed_modules.py); this worker may have imported transformers before the alias,
     # so the config is registered directly, as HfDeepSpeedConfig.__init__ does
     config = HfDeepSpeedConfig(dict(CFG, train_micro_batch_size_per_gpu=1))
     hf_deepspeed.set_hf_deepspeed_config(config)

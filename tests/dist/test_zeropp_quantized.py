@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp import comm
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 STEPS = 6
 

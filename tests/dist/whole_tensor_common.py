@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.models.gpt import GPT, GPTConfig, lm_loss
+from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 # Tiny, tied, bias-free attention (STYLE.md: no parameter with an exactly-zero true gradient).
 # Odd widths so that whole-tensor shards are unequal and need padding at world sizes 2 and 3.

@@ -48,7 +48,7 @@ def test_interleaved_bench_steps_every_strategy_in_one_process_pair(tmp_path):
 
 
 def test_zerodp_bench_names_the_harness_command():
-    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", "bench", "--model", "tiny"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "bench", "--model", "tiny"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "python -m bench.harness --model tiny" in proc.stderr, proc.stderr
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from zerodp import cli
-from zerodp.plan import render_paper_table
-from zerodp.app.train_args import TrainArgs
+from zerodp.tools import cli
+from zerodp.tools.plan import render_paper_table
+from zerodp.tools.app.train_args import TrainArgs
 
 
 def run_main(capsys, *argv) -> tuple[int, str, str]:
@@ -85,11 +85,12 @@ def test_user_mistakes_are_one_line_and_exit_2(capsys, argv, needle):
     assert "Traceback" not in err
 
 
+@pytest.mark.heavy  # seconds of CPU: left out of `make test-fast` (the edit loop), run by `make test`
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
     """Through the real entry point: a misspelt key, one line naming it, exit code 2, no rank started."""
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"zero_optimization": {"stag": 2}, "train_batch_size": 7}))
-    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", "train", "--config", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "train", "--config", str(bad)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -107,7 +108,7 @@ def test_batch_that_does_not_divide_the_world_is_a_config_error(capsys, tmp_path
 def test_more_ranks_than_cores_is_a_warning(monkeypatch, capsys):
     import torch.distributed.launcher.api as launcher_api
 
-    from zerodp.app import train
+    from zerodp.tools.app import train
 
     launched = {}
     monkeypatch.setattr(launcher_api, "elastic_launch",
@@ -123,7 +124,7 @@ def test_more_ranks_than_cores_is_a_warning(monkeypatch, capsys):
 
 
 def test_options_override_config_file_and_defaults(tmp_path, monkeypatch):
-    from zerodp.app.train_args import resolve_train_args
+    from zerodp.tools.app.train_args import resolve_train_args
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -141,7 +142,7 @@ def test_options_override_config_file_and_defaults(tmp_path, monkeypatch):
 
 
 def test_learning_rate_schedule():
-    from zerodp.app.train import lr_at
+    from zerodp.tools.app.train import lr_at
 
     lrs = [lr_at(s, 100, 1.0) for s in range(100)]
     assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)  # 5 warm-up steps

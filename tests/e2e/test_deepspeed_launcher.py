@@ -4,7 +4,7 @@ trains a DeepSpeed script (`import deepspeed`: the alias is carried) with the lo
 batch; with two hosts that both are this machine (`--no_ssh --node_rank N`, the per-host half that pdsh, mpirun
 or srun start on each host) the two torchruns form the same world of 4 (slow). DeepSpeed's own `deepspeed`
 command reaches this launcher under ZERODP_DEEPSPEED_ALIAS=1. The command lines of every launcher:
-tests/unit/test_deepspeed_launcher.py.
+tests/unit/adapters/test_deepspeed_launcher.py.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def plain_sdma_losses(world: int = 2, steps: int = 4) -> list:
 
     import torch
 
-    from zerodp.deepspeed import alias
+    from zerodp.adapters.deepspeed import alias
 
     saved = {k: v for k, v in sys.modules.items() if k == "deepspeed" or k.startswith("deepspeed.")}
     alias.install()  # the script's module-level `import deepspeed`

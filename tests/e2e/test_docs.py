@@ -13,7 +13,7 @@ from zerodp.config.compat import compat_markdown
 CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 HEADER = """# Configuration reference
 
-Generated from the pydantic models in `src/zerodp/config.py` by `zerodp.config.reference_markdown()`;
+Generated from the pydantic models in `src/zerodp/config/` by `zerodp.config.reference_markdown()`;
 do not edit by hand. Regenerate with `.venv/bin/python -m tests.e2e.test_docs` (a test fails when
 this file is stale).
 

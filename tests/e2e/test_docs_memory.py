@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from zerodp import cli
-from zerodp.plan import peak_rss
+from zerodp.tools import cli
+from zerodp.tools.plan import peak_rss
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "memory.md").read_text()

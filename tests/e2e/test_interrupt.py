@@ -1,4 +1,4 @@
-"""Ctrl-C in `zerodp train` (README, "When something goes wrong"): a real SIGINT to the whole process
+"""Ctrl-C in `zerodp train` (docs/troubleshooting.md, "When things go wrong"): a real SIGINT to the whole process
 group, as a terminal sends it, after the first checkpoint. The run says where to continue from and
 exits 130; the resume it names continues from that checkpoint's step.
 """
@@ -30,7 +30,7 @@ def test_ctrl_c_after_a_checkpoint_exits_130_and_the_resume_continues(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # Many steps, a checkpoint every 2: the run is still training when the signal arrives.
-    proc = subprocess.Popen([sys.executable, "-m", "zerodp.cli", "train", *TINY, "--nproc", "2", "--steps", "5000",
+    proc = subprocess.Popen([sys.executable, "-m", "zerodp.tools.cli", "train", *TINY, "--nproc", "2", "--steps", "5000",
                              "--save-every", "2", "--out", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     lines: queue.Queue = queue.Queue()

@@ -1,4 +1,4 @@
-"""README: "a rank killed during a save loses nothing but that save". A real SIGKILL of rank 1 in the
+"""docs/troubleshooting.md: "a rank killed during a save loses nothing but that save". A real SIGKILL of rank 1 in the
 middle of a real save under torchrun (tests/e2e/killed_save_job.py: its shard file of the new
 checkpoint torn to half its length): `latest` still names the previous checkpoint, which loads in a
 fresh engine at another world size with the parameters it was saved with, and the next save in the

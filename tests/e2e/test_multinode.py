@@ -54,7 +54,7 @@ def test_two_nodes_then_resume_on_one_node_with_two_ranks(tmp_path):
 
     # A failure inside the ranks: resuming with another model. One line, exit 2, the report in a file.
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}
-    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", "train", "--resume", str(out), "--model", "small",
+    proc = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "train", "--resume", str(out), "--model", "small",
                            "--steps", "8"], capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

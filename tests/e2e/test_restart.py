@@ -43,7 +43,7 @@ def test_kill_9_of_a_rank_restarts_from_the_newest_checkpoint_and_matches(tmp_pa
 
     out = tmp_path / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "zerodp.cli", "train", *ARGS, "--max-restarts", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "zerodp.tools.cli", "train", *ARGS, "--max-restarts", "1",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 150

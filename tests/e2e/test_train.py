@@ -21,7 +21,7 @@ TINY = ["--model", "tiny", "--micro-batch", "4", "--seq-len", "32", "--log-every
 
 def zerodp(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=env)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc

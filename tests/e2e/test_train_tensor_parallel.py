@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from tests.e2e.test_train import TINY, metric_steps, zerodp
-from zerodp.models.gpt import MODEL_PRESETS
-from zerodp.models.tp_gpt import TensorParallelGPT
+from zerodp.tools.models.gpt import MODEL_PRESETS
+from zerodp.tools.models.tp_gpt import TensorParallelGPT
 from zerodp.tensor_parallel import tensor_parallel_specs
 
 
@@ -45,6 +45,6 @@ def test_train_with_tensor_parallelism(tmp_path):
         assert tags == ["global_step3", "global_step4", "global_step5"], tags
     resumed = zerodp("train", "--resume", str(out), "--steps", "6")
     assert "resumed at step 5" in resumed.stdout and metric_steps(out)[-1]["step"] == 6
-    refused = subprocess.run([sys.executable, "-m", "zerodp.cli", "train", "--resume", str(out), "--steps", "7",
+    refused = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "train", "--resume", str(out), "--steps", "7",
                               "--tp", "1"], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "saved at tensor-parallel size 2; resume with --tp 2" in refused.stderr

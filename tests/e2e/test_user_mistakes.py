@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zerodp import cli
+from zerodp.tools import cli
 
 TINY = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16"]
 

@@ -99,7 +99,7 @@ def trainer_script(out: str) -> None:
     from transformers import Trainer
 
     from tests.hf.tiny_setup import Sequences, arguments, history, make_model
-    from zerodp.integrations.transformers import ZeroTrainer
+    from zerodp.adapters.hf.trainer import ZeroTrainer
 
     torch.backends.cuda.matmul.allow_tf32 = False
     zero = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

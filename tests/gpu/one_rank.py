@@ -4,7 +4,7 @@ tests/gpu (NCCL on GPU 0), and the CPU suite's check of that undoing (gloo).
 [Note: nothing after tests/gpu sees its group] On a GPU host `make test` runs tests/gpu in a pytest
 process of its own (Makefile), and the fixture is package-scoped, so even in one process the NCCL group
 and ZERODP_REAL_COLLECTIVES end with the last test of tests/gpu: a later test that builds a CPU model
-never finds an NCCL default group (which would move its model to the GPU: zerodp/module_device.py).
+never finds an NCCL default group (which would move its model to the GPU: zerodp/comm/module_device.py).
 """
 
 from __future__ import annotations

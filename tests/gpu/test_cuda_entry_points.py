@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import zerodp
-from zerodp.models.gpt import GPT, GPTConfig
+from zerodp.tools.models.gpt import GPT, GPTConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

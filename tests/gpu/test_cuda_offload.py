@@ -1,7 +1,7 @@
 """ZeRO-Offload on the CUDA path (issue 31 item 2): one GPU, one NCCL rank, bf16 and fp32, the parity model.
 
 Offloaded runs keep the 16-bit parameters and the compute on the GPU and step fp32 masters and states on
-the host (zerodp/placement.py). What must hold:
+the host (zerodp/offload/placement.py). What must hold:
   - every offload mode steps without error and lands where the placement says (masters and states on the
     CPU, parameters on the GPU);
   - offload modes that run the same host arithmetic are bitwise equal to each other: `cpu` and `nvme` at a

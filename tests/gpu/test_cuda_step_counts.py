@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import zerodp
 from tests.dist.common import mixed_precision_reference
-from tests.unit.test_step_counts import PATHS, Branch
+from tests.unit.optim.test_step_counts import PATHS, Branch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

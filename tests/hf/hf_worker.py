@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
 from zerodp.config import ConfigError
-from zerodp.integrations.transformers import ZeroTrainer
+from zerodp.adapters.hf.trainer import ZeroTrainer
 
 from tests.hf.tiny_setup import SEQ, VOCAB, Sequences, arguments, history, make_model, schedule_factor
 

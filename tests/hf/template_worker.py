@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from zerodp.integrations.transformers import ZeroTrainer
+from zerodp.adapters.hf.trainer import ZeroTrainer
 
 from tests.hf.tiny_setup import LrProbe, Sequences, arguments, history, make_model, schedule_factor
 

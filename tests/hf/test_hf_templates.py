@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.unit.test_hf_auto import HF_TEMPLATES  # noqa: E402  (the collection's HF templates: one classifier)
+from tests.unit.adapters.test_hf_auto import HF_TEMPLATES  # noqa: E402  (the collection's HF templates: one classifier)
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "hf" / "template_worker.py"

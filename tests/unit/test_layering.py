@@ -1,23 +1,24 @@
-"""zerodp's packages import each other in one direction: no package-level import cycle.
+"""zerodp's packages import each other in one direction, and the tree shows the tiers.
 
-Modules have none either (shared/tools/imports.py checks that); this test checks the coarser graph
-whose nodes are zerodp's first-level packages (`zerodp.config`, `zerodp.offload`, ...; top-level
-modules such as `engine` count as their own node). An edge is any import, at module level or inside a
-function, from a module of one node to a module of another; imports of the root package `zerodp`
-itself (its public API) are not edges. A cycle fails with the modules that make each edge.
+Modules have no import cycle (shared/tools/imports.py checks that); this test checks the coarser graph whose
+nodes are zerodp's packages: the first-level ones (`zerodp.config`, `zerodp.offload`, ...; a top-level module
+such as `errors` is its own node), and inside the three folders that only group packages (`shard/`, `adapters/`,
+`tools/`) the second-level ones (`shard.stage3`, `adapters.deepspeed`, `tools.cli`, ...). An edge is any
+import, at module level or inside a function, from a module of one node to a module of another; imports of
+the root package `zerodp` itself (its public API) are not edges. A cycle fails with the modules that make each edge.
 
-The tiers (issue 33): the runtime (what trains: the engine and everything below `initialize`) imports no
-adapter (a dialect: DeepSpeed's, Hugging Face's, VISSL's) and no planner (an estimate before launch, the
-scaling model, the CLI, the `zerodp train` application, the bundled model); those are built on the runtime.
-`TIERS` names every module of zerodp by prefix, the longest matching prefix deciding (`memory`: what a live
-rank holds, the runtime's; `plan`: the paper's formulas, the peak-RSS model, the offload estimate and the
-scaling model, all estimates before launch). Every module must fall in a tier, so a new package is placed
-on purpose.
+The tiers (issues 33 and 43) are read from the tree, not from a list: `zerodp/adapters/` holds the adapters
+(a dialect: DeepSpeed's, Hugging Face's, VISSL's), `zerodp/tools/` what is built on the runtime (the planners,
+the CLI, the `zerodp train` application, the bundled models), and every other package is the runtime (what
+trains: the engine and everything below `initialize`). The runtime imports no adapter and no tool.
 
-A few packages promise a tighter bound in their docstring, checked here too: `vissl` (VISSL's dialect,
-translated) is pure config, which `config` itself imports, so it imports no torch and no zerodp package
-but `errors`; `models` (the bundled GPT) is a library model any layer may import, so it imports no zerodp
-package but `tensor_parallel` (Megatron's layers, for the tensor-parallel GPT), which imports none; `app` (the `zerodp train` application) is above the library: only `cli` imports it.
+A few packages promise a tighter bound in their docstring, checked here too: `config.vissl` (VISSL's dialect,
+translated) is pure config, so it imports no torch and no zerodp module but `errors`; `tools.models` (the
+bundled GPT) is a library model any layer may import, so it imports no zerodp package but `tensor_parallel`
+(Megatron's layers, for the tensor-parallel GPT), which imports none; `tools.app` (the `zerodp train`
+application) is above the library: only `tools.cli` imports it.
+
+Each package's docstring maps its modules: every module and subpackage is named in it (`name.py`, `name/`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+# folders that only group packages: their subpackages are the graph's nodes
+NAMESPACES = ("shard", "adapters", "tools")
+
+
 def _node(module: str) -> str:
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] in NAMESPACES and (ROOT / parts[1] / parts[2]).is_dir():
+        return f"{parts[1]}.{parts[2]}"
     return parts[1] if len(parts) > 1 else ""
 
 
@@ -116,24 +123,36 @@ def _third_party(path: Path) -> set[str]:
     return out - {"zerodp", "__future__"}
 
 
-# package: (zerodp packages it may import, third-party modules it must not import)
-BOUNDED = {"vissl": ({"errors"}, {"torch"}), "models": ({"tensor_parallel"}, set()), "tensor_parallel": (set(), set())}
+# node: (zerodp nodes it may import, third-party modules it must not import)
+BOUNDED = {"tools.models": ({"tensor_parallel"}, set()), "tensor_parallel": (set(), set())}
+# config.vissl is a subpackage of config, so its bound is on modules: zerodp modules it may import
+VISSL_DIALECT, VISSL_ALLOWED = "zerodp.config.vissl", ("zerodp.config.vissl", "zerodp.errors")
 
 
 def test_bounded_packages_import_only_what_they_promise():
     graph = package_graph()
     for package, (allowed, banned) in BOUNDED.items():
-        assert (ROOT / package / "__init__.py").exists(), f"zerodp.{package} is gone: update BOUNDED"
+        folder = ROOT.joinpath(*package.split("."))
+        assert (folder / "__init__.py").exists(), f"zerodp.{package} is gone: update BOUNDED"
         extra = {dst: mods for dst, mods in graph.get(package, {}).items() if dst not in allowed}
         assert not extra, f"zerodp.{package} may import only {sorted(allowed)}; it imports {extra}"
-        for path in (ROOT / package).rglob("*.py"):
+        for path in folder.rglob("*.py"):
             found = _third_party(path) & banned
             assert not found, f"{_module_name(path)} imports {sorted(found)}; zerodp.{package} promises it does not"
 
 
+def test_the_vissl_dialect_is_pure_config():
+    folder = ROOT / "config" / "vissl"
+    assert (folder / "__init__.py").exists(), "zerodp.config.vissl is gone: update VISSL_DIALECT"
+    for path in folder.rglob("*.py"):
+        assert "torch" not in _third_party(path), f"{_module_name(path)} imports torch; the VISSL dialect is pure config"
+        extra = sorted(t for t in _imports(path) if _exists(t) and not t.startswith(VISSL_ALLOWED))
+        assert not extra, f"{_module_name(path)} imports {extra}; zerodp.config.vissl may import only {VISSL_ALLOWED}"
+
+
 def test_only_the_cli_imports_the_app():
-    importers = {src: sorted(set(mods["app"])) for src, mods in package_graph().items()
-                 if "app" in mods and src != "cli"}
+    importers = {src: sorted(set(mods["tools.app"])) for src, mods in package_graph().items()
+                 if "tools.app" in mods and src != "tools.cli"}
     assert not importers, f"the library imports the `zerodp train` application (only cli may): {importers}"
 
 
@@ -145,25 +164,16 @@ def test_no_package_level_import_cycle():
     assert not cycles, f"package-level import cycles {cycles}:\n" + "\n".join(detail)
 
 
-# The tiers as the packages are named today (update with the layout): module prefixes under zerodp.
-TIERS = {
-    "runtime": ("engine", "sharding", "runtime", "config", "comm", "flat", "grads", "stage12", "stage3", "optim",
-                "offload", "checkpoint", "precision", "autocast", "monitor", "memory", "host_memory", "seams", "errors",
-                "nonfinite", "preflight", "module_device", "placement", "activations", "tensor_parallel"),
-    "adapter": ("deepspeed", "integrations", "vissl"),
-    "planner": ("plan", "cli", "app", "models"),
-}
+# The tiers are folders: zerodp/adapters/ and zerodp/tools/; every other package is the runtime.
+TIER_FOLDERS = {"adapters": "adapter", "tools": "planner"}
 
 
 def tier_of(module: str) -> str:
-    """The tier of zerodp module `module` (its longest prefix in TIERS); "" for the root package."""
+    """The tier of zerodp module `module`, from the folder it lives in; "" for the root package."""
     rel = module.removeprefix("zerodp").removeprefix(".")
     if rel in ("", "__main__"):
         return ""  # the public API (`zerodp`) and `python -m zerodp`: above every tier, imported by none
-    matches = [(len(prefix), tier) for tier, prefixes in TIERS.items() for prefix in prefixes
-               if rel == prefix or rel.startswith(prefix + ".")]
-    assert matches, f"{module} is in no tier: add it to TIERS in tests/unit/test_layering.py"
-    return max(matches)[1]
+    return TIER_FOLDERS.get(rel.split(".")[0], "runtime")
 
 
 def tier_violations() -> list[str]:
@@ -187,15 +197,52 @@ def _exists(module: str) -> bool:
     return (SRC / rel).with_suffix(".py").exists() or (SRC / rel / "__init__.py").exists()
 
 
-def test_every_module_is_in_a_tier():
-    for path in ROOT.rglob("*.py"):
-        tier_of(_module_name(path))
+def test_the_tiers_are_folders():
+    assert tier_of("zerodp.shard.stage3.strategy") == "runtime"
+    assert tier_of("zerodp.adapters.deepspeed.engine") == "adapter"
+    assert tier_of("zerodp.tools.cli.main") == "planner"
+    top = sorted(p.name for p in ROOT.iterdir() if p.name != "__pycache__" and not p.name.endswith(".pyc"))
+    assert len(top) <= 18, f"src/zerodp has {len(top)} entries at the top ({top}): group them by tier (issue 43)"
+
+
+def _package_map_names(doc: str) -> set[str]:
+    """Names a package docstring maps: `name.py` or `name/` at the start of an indented line."""
+    import re
+    return set(re.findall(r"^[ \t]*([A-Za-z_]\w*(?:\.py|/))(?=[ \t,]|$)", doc, flags=re.M))
+
+
+def test_every_package_docstring_maps_its_modules():
+    missing = {}
+    for init in sorted(ROOT.rglob("__init__.py")):
+        folder = init.parent
+        if folder == ROOT:
+            continue  # the root's docstring is the quick start; the README and docs/layout.md map the top level
+        doc = ast.get_docstring(ast.parse(init.read_text()), clean=False) or ""
+        named = _package_map_names(doc)
+        members = {p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+        members |= {p.name + "/" for p in folder.iterdir() if (p / "__init__.py").exists()}
+        lacking = sorted(members - named)
+        stale = sorted(n for n in named - members if n.endswith(".py"))
+        if lacking or stale:
+            missing[_module_name(init)] = {"not in the map": lacking, "mapped but absent": stale}
+    assert not missing, "package docstrings must map their modules (name.py / name/ at the start of a line):\n" + \
+        "\n".join(f"  {k}: {v}" for k, v in missing.items())
 
 
 def test_the_runtime_imports_no_adapter_and_no_planner():
     violations = tier_violations()
     assert not violations, ("runtime modules import above their tier (move the function to the runtime side, or "
                             "invert the dependency):\n  " + "\n  ".join(violations))
+
+
+# modules at the top that every tier may import, because they import no zerodp module (docs/layout.md)
+LEAVES = ("errors.py", "host_memory.py")
+
+
+def test_the_leaves_at_the_top_import_no_zerodp_module():
+    for leaf in LEAVES:
+        imports = sorted(t for t in _imports(ROOT / leaf) if _exists(t))
+        assert not imports, f"zerodp/{leaf} is a leaf (docs/layout.md: every package uses it), but imports {imports}"
 
 
 def test_the_checker_sees_a_cycle():

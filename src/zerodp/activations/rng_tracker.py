@@ -25,9 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..tensor_parallel.random import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker,  # noqa: F401
-                                      default_rng_device_type, get_rng_state, manual_seed, seed_model_parallel,
-                                      set_rng_state)
+from ..tensor_parallel.random import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker, default_rng_device_type, get_rng_state, manual_seed, seed_model_parallel, set_rng_state)
 
 
 @dataclass

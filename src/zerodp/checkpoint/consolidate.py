@@ -28,7 +28,7 @@ import torch
 from .. import comm
 from ..errors import CheckpointError
 from ..comm import chunk_ranges
-from ..seams import CheckpointEngine
+from ..shard.seams import CheckpointEngine
 from . import format as fmt
 from .hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf, export_safetensors_file
 from .state import canonical_names, describe_tensors, sharded_units

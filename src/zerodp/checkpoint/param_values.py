@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..seams import CheckpointEngine
+from ..shard.seams import CheckpointEngine
 from .consolidate import gather_flat
 from .state import master_index, sharded_units
 

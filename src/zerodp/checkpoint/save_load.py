@@ -53,7 +53,7 @@ from . import state as cs
 from . import units as cu
 from .. import comm
 from ..errors import CheckpointError
-from ..seams import CheckpointEngine
+from ..shard.seams import CheckpointEngine
 from .consolidate import consolidate_checkpoint, consolidate_main, full_state_dict, save_consolidated
 
 LR_SCHEDULER_FILE = "lr_scheduler.pt"  # rank 0: the learning-rate schedule's state_dict (optim.lr_schedules)

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..optim.larc import LARC
-from ..optim.optimizer_list import OptimizerList
-from ..seams import CheckpointEngine
+from ..optimizers.larc import LARC
+from ..optimizers.optimizer_list import OptimizerList
+from ..shard.seams import CheckpointEngine
 
 
 # -- describing the model --------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from . import format as fmt
 from . import state as cs
 from ..errors import CheckpointError
-from ..seams import CheckpointEngine
+from ..shard.seams import CheckpointEngine
 
 
 # -- saving ----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ collectives are switched on and a process group exists: then they are issued on 
 communicator like any other, so the real calls, streams and events run on one GPU (NCCL cannot put two
 ranks on one device) or on one gloo rank. tests/gpu and a CPU test switch it on. The user's switch is
 ZERODP_REAL_COLLECTIVES=1 in the environment, read once when an engine starts by the Runtime
-(zerodp/runtime.py), which hands the decision here (`set_real_collectives`) and takes it back at close.
+(zerodp/engine/runtime.py), which hands the decision here (`set_real_collectives`) and takes it back at close.
 The collectives ask `issues_no_collectives(group)`: while an engine lives, its decision, never the
 environment; only outside every engine (a script calling zerodp.comm directly, zero.Init before
 initialize) is the environment the answer. `skips_collectives(group)` is the caller's question "would
@@ -39,7 +39,7 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-# The Runtime's decision for world size 1 (zerodp/runtime.py): None while no engine has made one.
+# The Runtime's decision for world size 1 (zerodp/engine/runtime.py): None while no engine has made one.
 _real_collectives: Optional[bool] = None
 
 

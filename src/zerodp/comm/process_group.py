@@ -1,4 +1,5 @@
-"""The default process group's life cycle: created from torchrun's environment, owned by its creator,
+"""The default process group's life cycle: created from the launch environment (torchrun's, or a scheduler's
+world made into torchrun's: launch_env.py), its ranks' hosts learned (topology.py), owned by its creator,
 destroyed before interpreter shutdown (see [Note: teardown]), and made under a store prefix of its own in
 every attempt of an elastic job (the attempt every node's ranks agreed on: elastic_attempt.py) and whenever it
 is made again in the same process.
@@ -22,22 +23,30 @@ import torch.distributed as dist
 # any group, the defaults are None.
 import torch.distributed.nn.functional  # noqa: F401  (imported for the side effect above)
 
-from . import elastic_attempt, local_groups, watchdog
+from . import elastic_attempt, local_groups, topology, watchdog
+from .launch_env import LaunchEnvironment, export_torch_variables, read_launch_environment
 from .communicator import new_group, wait_for_members
 from .backend import default_backend
 from .group import ProcessGroup, backend_name, is_initialized, issues_no_collectives
 
 
-def init_distributed(timeout_s: Optional[float] = None) -> bool:
-    """Initialize torch.distributed from torchrun's environment, if it is set and not done yet.
+def init_distributed(timeout_s: Optional[float] = None, launch: Optional[LaunchEnvironment] = None) -> bool:
+    """Initialize torch.distributed from the launch environment, if it shows a job and it is not done yet.
 
-    Picks NCCL when CUDA is available, gloo otherwise (backend.py). Without torchrun's variables (a plain
-    `python train.py`) nothing is initialized and zerodp runs as world size 1. Returns True when this
-    call created the default process group: its creator owns it and destroys it
+    `launch`: the environment as read (default: `read_launch_environment()`, which raises LaunchError where a
+    launch of several processes cannot form one world: [Note: one job or a clear stop] in launch_env.py). A
+    scheduler's world (srun, mpirun) is exported as torchrun's variables first. Picks NCCL when CUDA is
+    available, gloo otherwise (backend.py), then gathers every rank's host once (topology.learn_hosts). Without
+    a launcher (a plain `python train.py`) nothing is initialized and zerodp runs as world size 1. Returns True
+    when this call created the default process group: its creator owns it and destroys it
     (`destroy_distributed`, called by `engine.close()`), and, as a backstop, so does an atexit hook.
     """
-    if is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    if is_initialized():
         return False
+    launch = read_launch_environment() if launch is None else launch
+    if not launch.distributed:
+        return False
+    export_torch_variables(launch)
     from datetime import timedelta
 
     backend = default_backend()  # NCCL only where a GPU is visible: [Note: NCCL built is not a GPU present]
@@ -45,7 +54,7 @@ def init_distributed(timeout_s: Optional[float] = None) -> bool:
         # the backend's own timeout only backs up the watchdog, which reports first and says more
         timeout_s = watchdog.timeout_s() + 60.0
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(launch.local_rank)
     timeout = timedelta(seconds=timeout_s)
     global _created_group, _groups_created
     _groups_created += 1
@@ -53,12 +62,13 @@ def init_distributed(timeout_s: Optional[float] = None) -> bool:
     if attempt is not None or _groups_created > 1:
         store = dist.PrefixStore(attempt.prefix(_groups_created), attempt.store) if attempt is not None \
             else _fresh_store(timeout, _groups_created)
-        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
     wait_for_members()  # [Note: a communicator is made when every member has connected]
     _created_group = dist.group.WORLD
+    topology.learn_hosts()  # the node layout from the hosts the ranks run on (the launcher's variables are hints)
     # [Note: teardown] A process group left alive until interpreter shutdown is destroyed by C++
     # static destructors while gloo's threads still run: "terminate called without an active
     # exception", SIGABRT, and torchrun reports a finished job as failed (2 of 12 runs here). An

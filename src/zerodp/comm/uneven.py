@@ -25,15 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import (
-    Handle,
-    ProcessGroup,
-    _finish,
-    _log,
-    backend_name,
-    get_rank,
-    issues_no_collectives,
-)
+from .collectives import Handle, ProcessGroup, _finish, _log, backend_name, get_rank, issues_no_collectives
 from .pairwise import Works, exchange_all_gather, exchange_reduce_scatter
 
 

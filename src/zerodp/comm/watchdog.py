@@ -20,7 +20,7 @@ path, the others wait inside the backend (gloo's default is 30 minutes) and prin
   collective per collective: a debugging aid, off by default.
 
 The recorder and the activity are per process: module state, like `comm.record()`'s logs. The settings
-(timeout, debug_sync, rank) are process-wide too; the Runtime (zerodp/runtime.py) sets them when an engine
+(timeout, debug_sync, rank) are process-wide too; the Runtime (zerodp/engine/zero_engine/runtime.py) sets them when an engine
 starts (`apply`) and gives the previous ones back when it closes, so two engines do not reset each other's.
 """
 
@@ -35,6 +35,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Optional
+
+from . import launch_env
 
 DEFAULT_TIMEOUT_S = 600.0
 EXIT_CODE = 3
@@ -108,7 +110,7 @@ class Settings(NamedTuple):
             timeout_s = float(env_timeout)
         env_sync = os.environ.get("ZERODP_DEBUG_SYNC", "") not in ("", "0")
         return Settings(DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s), bool(debug_sync) or env_sync,
-                        int(os.environ.get("RANK", "0")) if rank is None else rank)
+                        launch_env.global_rank() if rank is None else rank)
 
 
 _settings = Settings.resolve()

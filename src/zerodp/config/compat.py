@@ -8,7 +8,7 @@ A raw DeepSpeed mapping passes through `normalize` before pydantic validation:
      naming the missing feature;
   3. keys whose feature zerodp lacks (`REFUSED`) raise a ConfigError naming the feature;
   4. `"auto"` values are resolved where the config alone decides (`enabled: auto` is off, as without
-     the HF Trainer), and otherwise recorded for `config_auto.resolve_auto`, which fills them from the
+     the HF Trainer), and otherwise recorded for `config.auto.resolve_auto`, which fills them from the
      world size and the model when the engine starts, or refuses naming the value to write.
 Everything left is validated by the models in `config.py` (the honoured set); anything else is an
 unknown-key error naming the closest valid key. `compat_markdown` renders the three sets for docs.
@@ -160,7 +160,7 @@ NO_EFFECT: dict[str, NoEffect] = {
 # Keys whose feature zerodp lacks whatever their value.
 REFUSED: dict[str, str] = {}
 
-# "auto" keys resolved when the engine starts (see config_auto); any other "auto" is refused here.
+# "auto" keys resolved when the engine starts (see config/auto.py); any other "auto" is refused here.
 AUTO_AT_START = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
@@ -349,6 +349,6 @@ def compat_markdown(honoured: list[str], refused: Optional[dict[str, str]] = Non
     lines += [f"| `{k}` | {m} |" for k, m in {**(refused or {}), **REFUSED}.items()]
     lines += ["", "**`\"auto\"`**: " + ", ".join(f"`{k}`" for k in sorted(AUTO_OFF)) + " 'auto' mean off. "
               "Resolved when the engine starts: " + ", ".join(f"`{k}`" for k in sorted(AUTO_AT_START)) + " (see "
-              "`zerodp.config_auto`); optimizer and scheduler params when they are built. "
+              "`zerodp.config.auto`); optimizer and scheduler params when they are built. "
               "Any other 'auto', or one that cannot be resolved, is refused with the value to write."]
     return "\n".join(lines)

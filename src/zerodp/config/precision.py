@@ -1,6 +1,6 @@
 """The precision sections of the config: `fp16`, `bf16`, and the gradient dtypes (`data_types`), with
 DeepSpeed's spellings of a dtype. The top-level `communication_data_type` is a field of `ZeroConfig`
-(schema.py) that uses the same names; `zerodp.precision.PrecisionPolicy` turns them into torch dtypes.
+(schema.py) that uses the same names; `zerodp.precision.policy.PrecisionPolicy` turns them into torch dtypes.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class TorchAutocastConfig(StrictModel):
     """DeepSpeed's `torch_autocast` section (DeepSpeed >= 0.17): torch.autocast mixed precision. The parameters,
     master weights and optimizer states stay fp32; the engine's forward runs under `torch.autocast(dtype)`, and
     the gradients of the lower-precision-safe modules' parameters are summed over ranks in `dtype` (the others
-    in fp32). zerodp.autocast holds the mechanism and the differences from DeepSpeed."""
+    in fp32). zerodp.precision.autocast holds the mechanism and the differences from DeepSpeed."""
 
     enabled: bool = Field(False, description="Run the engine's forward under torch.autocast (no torch.autocast "
                           "call needed in the training script).")

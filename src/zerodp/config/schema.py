@@ -4,7 +4,7 @@ An existing DeepSpeed config works unchanged where its keys mean the same thing 
 forbids unknown keys, and the error names the key and the closest valid one; every accepted key is
 honoured by the engine (a key zerodp cannot honour yet is refused with a message saying so, never
 silently dropped). VISSL's YAML dialect is not read here: its adapter translates it before a config is
-loaded (`zerodp.integrations.vissl`, `zerodp.vissl.translate_vissl`), and a VISSL file given here is refused
+loaded (`zerodp.adapters.vissl.vissl_engine`, `zerodp.config.vissl.translate_vissl`), and a VISSL file given here is refused
 with that fix.
 
 Each field's description doubles as the reference documentation (`zerodp.config.reference_markdown`).
@@ -32,7 +32,7 @@ from .monitor import (CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, 
 
 
 class NonFinitePolicy(str, Enum):
-    """What a NaN or Inf gradient does in bf16/fp32 training (see zerodp.nonfinite)."""
+    """What a NaN or Inf gradient does in bf16/fp32 training (see zerodp.engine.nonfinite)."""
 
     STOP = "stop"
     SKIP = "skip"
@@ -182,7 +182,7 @@ class ZeroConfig(StrictModel):
         "rank average back to the accumulation dtype after it. Unset: the compute dtype (DeepSpeed's default). "
         "Every stage. Not with zero_quantized_gradients (its payload is int4).")
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig, description="torch.autocast "
-                                                "mixed precision with fp32 parameters (zerodp.autocast).")
+                                                "mixed precision with fp32 parameters (zerodp.precision.autocast).")
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Gradient accumulation dtype.")
     prescale_gradients: bool = Field(False, description="Divide each rank's gradients by the world size before "
                                      "the reduction instead of the sum after it (DeepSpeed's meaning; "
@@ -226,7 +226,7 @@ class ZeroConfig(StrictModel):
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig,
         description="ZeRO-R: how checkpointed regions keep their inputs (docs/activations.md).")
 
-    # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config_auto resolves.
+    # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config/auto.py resolves.
     _notes: list[str] = PrivateAttr(default_factory=list)
     _warnings: list[str] = PrivateAttr(default_factory=list)
     _autos: set[str] = PrivateAttr(default_factory=set)

@@ -66,6 +66,6 @@ def refuse_vissl(data: dict) -> None:
     found = [k for k in _VISSL_KEYS if k in data]
     if found:
         raise ConfigError(f"VISSL config: keys {found} are VISSL's dialect, which zerodp's config does not read; "
-                          f"build the engine with engine, schedule = zerodp.integrations.vissl.initialize("
-                          f"zerodp.vissl.load_vissl(path), model, steps_per_epoch=...), or translate the file for "
-                          f"load_config with zerodp.vissl.translate_vissl(path)")
+                          f"build the engine with engine, schedule = zerodp.adapters.vissl.vissl_engine.initialize("
+                          f"zerodp.config.vissl.load_vissl(path), model, steps_per_epoch=...), or translate the file for "
+                          f"load_config with zerodp.config.vissl.translate_vissl(path)")

@@ -56,7 +56,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..flat.buffer import alloc_storage, free_storage
+from ..host_memory import alloc_storage, free_storage
 from .file_io import DONE, FileIO, IOHandle
 from .run_dir import RankDir
 from .shard_entry import ShardEntry as _Entry, ShardHome

@@ -3,10 +3,9 @@
 `build_param_offload` returns the `ShardStore` that stage 3's parameter shards live in (None when
 offload_param is off, or is `cpu` on a machine without a GPU, where host memory is the only memory);
 `build_grad_offload` the one their gradient shards live in (fp32 with offload_param nvme only).
-`build_optimizer_offload` returns the `OffloadedOptimizerState` the sharded optimizer streams its state
-through (None when offload_optimizer is off). Before anything is created it checks, naming the key
-and the fix: the optimizer is elementwise (LAMB and LARC need whole-parameter norms over the full
-shard in one step), nvme_path exists, is a writable directory and has room for the predicted bytes.
+The optimizer's offload is built by the engine (engine/optimizer_offload.py), with `nvme_rank_dir` from here.
+Before anything is created it checks, naming the key and the fix: nvme_path exists, is a writable directory
+and has room for the predicted bytes.
 Settings that cannot have an effect on this machine are reported once (a warning).
 """
 
@@ -20,18 +19,13 @@ import torch
 
 from .. import comm
 from ..config import ConfigError, ZeroConfig
-from ..optim.inner import SHARD_AWARE, state_numel_per_param
-from ..optim.larc import LARC
-from ..optim.optimizer import OPTIMIZER_CHUNK_NUMEL
 from ..host_memory import map_large_buffers
-from ..placement import HOST, Placement, placement_of
-from ..precision import PrecisionPolicy
-from ..config.offload import DEFAULT_SUB_GROUP_SIZE, OffloadDevice, ignored_settings
+from .placement import HOST, placement_of
+from ..precision.policy import PrecisionPolicy
+from ..config.offload import OffloadDevice, ignored_settings
 from .file_io import FileIO
-from .optimizer_state import OffloadedOptimizerState
 from .run_dir import OffloadPathError, RankDir, check_nvme_path, new_run_id, report_leftovers
 from .shard_store import ShardStore
-from .store import FileStore, HostStore
 
 log = logging.getLogger("zerodp")
 
@@ -50,58 +44,6 @@ def report_ignored(config: ZeroConfig, rank: int) -> None:
 def shared_run_id(process_group: comm.ProcessGroup) -> str:
     """Rank 0's fresh run id, on every rank (note: a collective)."""
     return comm.all_gather_object(new_run_id(), process_group)[0]
-
-
-def predicted_state_bytes(numel: int, user_optimizer) -> int:
-    """Bytes of fp32 elementwise optimizer state for `numel` elements of this rank's shard."""
-    return numel * 4 * state_numel_per_param(user_optimizer)
-
-
-def build_optimizer_offload(config: ZeroConfig, units, user_optimizer, process_group: comm.ProcessGroup,
-                            placement: Optional[Placement] = None):
-    """The optimizer-state offload of this rank (None when offload_optimizer is off); see module docstring.
-    `placement`: where the states live (their pinning); None: pinned where the config asks and a GPU exists."""
-    zero = config.zero_optimization
-    section = zero.offload_optimizer
-    rank = comm.get_rank(process_group)
-    report_ignored(config, rank)
-    if not section.enabled:
-        return None
-    map_large_buffers()  # freed shards and windows must leave RSS: [Note: freed memory that stays resident]
-    inner = user_optimizer.optim if isinstance(user_optimizer, LARC) else user_optimizer
-    if isinstance(user_optimizer, LARC) or isinstance(inner, SHARD_AWARE):
-        raise ConfigError(f"offload_optimizer streams the step in chunks, but {type(user_optimizer).__name__} "
-                          f"needs whole-parameter norms over the full shard in one step; use an elementwise "
-                          f"optimizer (Adam, AdamW, SGD, ...) or remove offload_optimizer")
-    numel = sum(u.param_shard.numel() for u in units)
-    sub_group_size = zero.sub_group_size
-    if sub_group_size is None:
-        sub_group_size = DEFAULT_SUB_GROUP_SIZE
-        if rank == 0:
-            log.info("zerodp offload_optimizer: sub_group_size is not set: the step streams windows of %d elements "
-                     "(%d MiB per fp32 state tensor, %d buffers); set it to change", sub_group_size,
-                     sub_group_size * 4 >> 20, section.buffer_count)
-    # DeepSpeed reads sub_group_size 0 as the smallest groups (one tensor each): here, one optimizer chunk
-    window = min(sub_group_size or OPTIMIZER_CHUNK_NUMEL, max(numel, 1))
-    # cpu: all of it in host memory; nvme: the first (1 - ratio) in host memory, the rest in files
-    host_fraction = 1.0 if section.device is OffloadDevice.CPU else 1.0 - section.ratio
-    pin = placement.states.pinned if placement is not None else section.pin_memory and torch.cuda.is_available()
-    rank_dir = None
-    if section.device is OffloadDevice.NVME:
-        key = "zero_optimization.offload_optimizer.nvme_path"
-        needed = predicted_state_bytes(int(numel * section.ratio), user_optimizer)  # the files; windows are RAM
-        rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)
-    io = FileIO(config.aio.io_requests, config.aio.block_size)
-
-    def make_stores(host_numel: int, file_numel: int):
-        if section.device is OffloadDevice.CPU:
-            return HostStore(host_numel, pin), None
-        host = HostStore(host_numel, pin) if host_numel else None
-        return host, FileStore(rank_dir, file_numel, io, prefix="optimizer.")
-
-    owned = (io,) if rank_dir is None else (io, rank_dir)
-    return OffloadedOptimizerState(window, section.buffer_count, make_stores,
-                                   host_fraction, pin, owned)
 
 
 def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, largest_numel: int,
@@ -136,7 +78,7 @@ def build_param_offload(config: ZeroConfig, model_numel: int, itemsize: int, lar
                  "(buffer_count, the gathers' working set); set max_in_cpu to cache more", section.buffer_count)
     key = "zero_optimization.offload_param.nvme_path"
     needed = -(-model_numel // world) * itemsize * (1 if _grads_stay(config) else 2)
-    rank_dir = _rank_dir(section.nvme_path, key, needed, process_group)  # its own run folder
+    rank_dir = nvme_rank_dir(section.nvme_path, key, needed, process_group)  # its own run folder
     io = FileIO(config.aio.io_requests, config.aio.block_size)
     return ShardStore(rank_dir, io, section.max_in_cpu, section.buffer_count, home.pinned)
 
@@ -168,7 +110,7 @@ def _ranks_on_this_disk(process_group: comm.ProcessGroup) -> int:
     return hosts.count(socket.gethostname())
 
 
-def _rank_dir(nvme_path: str, key: str, needed_bytes: int, process_group: comm.ProcessGroup) -> RankDir:
+def nvme_rank_dir(nvme_path: str, key: str, needed_bytes: int, process_group: comm.ProcessGroup) -> RankDir:
     """This rank's folder under `nvme_path`, after every rank checked the path has room for `needed_bytes`.
 
     Every rank fails together (none waits in a later collective); rank 0 reports folders left by crashed runs.

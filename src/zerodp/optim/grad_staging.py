@@ -19,7 +19,7 @@ the read. A shard not delivered during the boundary's backward (a stage-3 unit n
 micro-step) is not fresh: `take` copies it at the step (`copy_now`), the path every shard took before.
 
 `wait()` is the step's sync point: the host reads the buffers only after it. On a CPU (the forced path of
-the tests, tests/unit/test_placement.py) host and device are one memory: copies are plain and synchronous.
+the tests, tests/unit/offload/test_placement.py) host and device are one memory: copies are plain and synchronous.
 
 [Note: 16-bit copies, widened on the host] What is copied is the shard as reduced, in its own dtype (the
 accumulation dtype: `Placement.grad_staging.dtype`, bf16 or fp16 in mixed precision unless
@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ..placement import Home
+from ..offload.placement import Home
 
 
 class GradStaging:

@@ -18,14 +18,14 @@ from typing import Any, Callable, Union
 
 import torch
 
-from .deepspeed_types import build_deepspeed_type, check_no_auto
-from .fused_adam import FusedAdam
-from .fused_lamb import FusedLamb
+from ..optimizers.deepspeed_types import build_deepspeed_type, check_no_auto
+from ..optimizers.fused_adam import FusedAdam
+from ..optimizers.fused_lamb import FusedLamb
 from ..errors import OptimizerError
-from .lamb import LAMB
-from .larc import LARC
-from .lion import Lion
-from .optimizer_list import OptimizerList
+from ..optimizers.lamb import LAMB
+from ..optimizers.larc import LARC
+from ..optimizers.lion import Lion
+from ..optimizers.optimizer_list import OptimizerList
 
 # Elementwise updates: exact on any flat layout. (Adafactor, LBFGS, SparseAdam, Muon are not.)
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
@@ -154,7 +154,7 @@ def rebuild(optimizer: OptimizerLike, param_groups: list[dict[str, Any]]) -> Opt
 
 def build_from_sections(sections, model) -> OptimizerLike:
     """The config's `optimizer` section, or list of sections each with its `select` (optim/selection.py)."""
-    from .selection import select_parameters
+    from ..optimizers.selection import select_parameters
 
     sections = sections if isinstance(sections, list) else [sections]
     chosen = select_parameters(sections, model)

@@ -24,8 +24,8 @@ from typing import Any, Iterable
 import torch
 
 from .. import comm
-from ..grads.grad_shard import square_norm
-from ..seams import ShardedUnit
+from ..shard.grads.grad_shard import square_norm
+from ..shard.seams import ShardedUnit
 from ..tensor_parallel.mpu import check_mpu, mpu_call
 
 log = logging.getLogger("zerodp")

@@ -52,17 +52,17 @@ from typing import AbstractSet, Optional
 import torch
 
 from .. import comm
-from ..grads.grad_shard import square_norm
-from ..placement import Placement, placement_for_precision
-from ..precision import LossScaler, PrecisionPolicy
-from ..seams import ShardedUnit
+from ..shard.grads.grad_shard import square_norm
+from ..offload.placement import Placement, placement_for_precision
+from ..precision.policy import LossScaler, PrecisionPolicy
+from ..shard.seams import ShardedUnit
 from .inner import rebuild_kept
 from .late_starters import LateStarters
 from .step_counts import StepCounts
 from .model_parallel import ModelParallelNorm
 from .checkpoint_state import CheckpointStateAccess
 from .shared_groups import share_param_groups
-from .shard_norms import maybe_bind, segments_from_layout, split_segments
+from ..optimizers.shard_norms import maybe_bind, segments_from_layout, split_segments
 from .step_kernel import master_group_settings
 from .step_plan import StepPlan, check_host_step
 from .transient_grads import TransientGradSteps

@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import OptimizerError
-from .larc import LARC
-from .optimizer_list import OptimizerList
+from ..optimizers.larc import LARC
+from ..optimizers.optimizer_list import OptimizerList
 
 
 def _group_slots(optimizer: Any) -> list[tuple[list, int]]:

@@ -32,9 +32,9 @@ from typing import Optional
 
 import torch
 
-from .fused_adam import FusedAdam
+from ..optimizers.fused_adam import FusedAdam
 from .inner import members, rebuild
-from .larc import LARC
+from ..optimizers.larc import LARC
 
 # elementwise updates whose only scalar state is `step`: a slice steps on its own exactly as within its chunk
 COUNTED = (torch.optim.Adam, torch.optim.AdamW, FusedAdam)

@@ -12,7 +12,7 @@ optimizer.py), so it may pick torch's implementation for them, as long as the up
 - CPU masters: unchanged. torch's default there is its per-tensor loop, and `foreach` gives the same
   bits but is slower on 1 MiB chunks (every op streams all chunks through the cache before the next:
   8M elements, one thread, 0.32 s vs 0.16-0.24 s per step), and `fused` is not bitwise the loop's
-  result (the CPU parity tests are bitwise); tests/unit/test_step_kernel.py keeps both facts checked.
+  result (the CPU parity tests are bitwise); tests/unit/optim/test_step_kernel.py keeps both facts checked.
 """
 
 from __future__ import annotations

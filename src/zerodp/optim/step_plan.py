@@ -36,8 +36,8 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .grad_staging import GradStaging, HostBuffers
-from ..placement import HOST, Placement
-from ..seams import ShardedUnit
+from ..offload.placement import HOST, Placement
+from ..shard.seams import ShardedUnit
 
 
 def check_host_step(group_settings: list[dict], placement: Placement) -> None:

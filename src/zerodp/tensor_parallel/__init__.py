@@ -2,7 +2,15 @@
 2-D layout (the ZeRO paper's 100B-class setting): `mpu.py` (the process groups, Megatron's names),
 `mappings.py` (the f/g operators), `layers.py` (column/row-parallel linears, vocab-parallel embedding),
 `cross_entropy.py`, `random.py` (the model-parallel RNG tracker), `layout.py` (which parameters are
-sharded and how: slicing and merging). Depends on torch only: zerodp.models builds on it.
+sharded and how: slicing and merging). Depends on torch only: zerodp.tools.models builds on it.
+
+Modules:
+    cross_entropy.py  Cross entropy over logits whose vocabulary is split across the tensor-parallel group ...
+    layers.py         Megatron's tensor-parallel layers: column- and row-parallel linears and a vocab-parallel ...
+    layout.py         Where a tensor-parallel parameter's shards sit in the whole parameter: `ShardSpec`, and the ...
+    mappings.py       The four communication operators of Megatron's tensor parallelism, as autograd functions.
+    mpu.py            The model-parallel unit (Megatron's "mpu"): which ranks hold tensor-parallel shards of one ...
+    random.py         Model-parallel random streams (Megatron's `CudaRNGStatesTracker`, DeepSpeed's ...
 """
 
 from .cross_entropy import vocab_parallel_cross_entropy

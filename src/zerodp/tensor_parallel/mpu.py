@@ -10,7 +10,7 @@ its data-parallel group is {r % tp, r % tp + tp, ...}.
 `get_data_parallel_rank/world_size/group`, and the `get_tensor_model_parallel_*` spellings), so it can be
 passed as `mpu=` wherever Megatron's module is (`zerodp.initialize`, `zerodp.deepspeed.initialize`,
 `deepspeed.checkpointing.configure`). It holds its groups; nothing here is a module-level global.
-Depends on torch only (zerodp.models imports it).
+Depends on torch only (zerodp.tools.models imports it).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ REQUIRED_MPU_METHODS = ("get_model_parallel_group", "get_model_parallel_rank", "
 def new_group(ranks: list[int], backend: Optional[str]) -> dist.ProcessGroup:
     """torch's `new_group`, returned once every member has connected to it where the backend connects at creation
     (gloo): zerodp/comm/communicator.py's [Note: a communicator is made when every member has connected], written
-    here again because this package imports no other zerodp package (zerodp.models imports it)."""
+    here again because this package imports no other zerodp package (zerodp.tools.models imports it)."""
     group = dist.new_group(ranks, backend=backend)
     if dist.get_rank() in ranks and len(ranks) > 1 and "gloo" in str(dist.get_backend(group)):
         dist.all_reduce(torch.zeros(1), group=group)  # a sync point by design, as there

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import mpu
-from zerodp.models.gpt import GPTConfig
-from zerodp.models.tp_gpt import TensorParallelGPT, tp_lm_loss
+from zerodp.tools.models.gpt import GPTConfig
+from zerodp.tools.models.tp_gpt import TensorParallelGPT, tp_lm_loss
 
 
 def parse_args():

@@ -1,8 +1,0 @@
-"""`python -m zerodp.cli COMMAND ...`: the `zerodp` command."""
-
-import sys
-
-from .main import main
-
-if __name__ == "__main__":
-    sys.exit(main())

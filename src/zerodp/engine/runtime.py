@@ -1,0 +1,122 @@
+"""The process-wide state zerodp changes, owned in one place: the `Runtime`, and each engine's `Lease` on it.
+
+Four things belong to the process, not to any one engine:
+- the real-collectives switch ([Note: collectives at world size 1] in comm/group.py): the user's
+  ZERODP_REAL_COLLECTIVES=1 is read once, when an engine starts, and handed to the collectives as data;
+- the watchdog's settings (timeout, debug_sync, rank) and its thread (comm/watchdog.py);
+- the default process group: zerodp destroys it only if zerodp created it (comm/process_group.py) and
+  only when no other engine is alive. Before the Runtime, each engine destroyed it at close(): with a
+  second engine training beside the first, that one's next all-gather found no group (world size 1)
+  and refused its buffers;
+- glibc's allocator threshold, which offload sets for the whole process (host_memory.map_large_buffers).
+
+Each engine takes a lease when it starts (`RUNTIME.lease(config, rank, process_group)`) and gives it back in
+close(); an engine dropped without close() (garbage collected) counts as gone, silently. The newest live lease's settings are in force; a lease given back restores the settings of the
+newest one left, or, when none is left, those from before the first lease; the last lease out also stops
+the watchdog thread, restores the allocator and destroys a default group zerodp created. So engines can be
+built, stepped side by side and closed in any order, and closing one changes nothing the others use.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .. import comm, host_memory
+from ..comm import watchdog
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """What one engine asks of the process: decided once, when it starts."""
+
+    watchdog: watchdog.Settings
+    real_collectives: bool
+    uses_default_group: bool   # the engine's collectives run on the default group (process_group=None)
+
+    @staticmethod
+    def for_engine(config: Any, rank: int, process_group: comm.ProcessGroup) -> "RuntimeSettings":
+        """Read from the engine's config and, once, from the environment (ZERODP_REAL_COLLECTIVES,
+        ZERODP_COMM_TIMEOUT_S, ZERODP_DEBUG_SYNC)."""
+        return RuntimeSettings(watchdog.Settings.resolve(config.comm_timeout_s, config.zero_optimization.debug_sync,
+                                                         rank),
+                               comm.real_collectives_requested(), process_group is None)
+
+
+@dataclass(eq=False)
+class Lease:
+    """One engine's hold on the process-wide state; `close()` gives it back (idempotent)."""
+
+    runtime: "Runtime"
+    settings: RuntimeSettings
+    closed: bool = False
+    holder: Optional[Callable[[], Any]] = None  # a weak reference to the engine, once it exists
+
+    def held_by(self, engine: Any) -> None:
+        """The engine this lease belongs to: once it is garbage collected, the lease no longer counts."""
+        self.holder = weakref.ref(engine)
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and (self.holder is None or self.holder() is not None)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.runtime.release(self)
+
+
+@dataclass
+class Runtime:
+    """The process's zerodp state and the live leases on it (one instance: `RUNTIME`)."""
+
+    leases: list[Lease] = field(default_factory=list)
+    # the process's settings before the first live lease, restored when the last one is given back
+    _before: Optional[tuple[watchdog.Settings, Optional[bool]]] = None
+
+    def lease(self, config: Any, rank: int, process_group: comm.ProcessGroup = None) -> Lease:
+        """Put an engine's settings in force (see the module docstring) and return its lease."""
+        settings = RuntimeSettings.for_engine(config, rank, process_group)
+        self._forget_dropped()
+        if not self.leases:
+            self._before = (watchdog.settings(), comm.set_real_collectives(None))
+        held = Lease(self, settings)
+        self.leases.append(held)
+        self._apply(settings)
+        return held
+
+    def release(self, held: Lease) -> None:
+        """Give `held` back: the newest remaining lease's settings come back; the last one out restores
+        the process (see the module docstring)."""
+        if held not in self.leases:
+            return
+        self.leases.remove(held)
+        self._forget_dropped()
+        if self.leases:
+            self._apply(self.leases[-1].settings)
+            return
+        if held.settings.uses_default_group and comm.owns_default_group():
+            comm.destroy_distributed()  # zerodp created it and no engine is left to use it
+        watchdog.stop()  # started again by the next wait, if any
+        host_memory.restore_malloc_defaults()  # offload's mallopt: [Note: freed memory that stays resident]
+        settings, real = self._before
+        watchdog.apply(settings)
+        comm.set_real_collectives(real)
+        self._before = None
+
+    def _forget_dropped(self) -> None:
+        # engines garbage collected without close(): a script that let its engine go, a test that did not close
+        self.leases = [held for held in self.leases if held.alive]
+
+    def _apply(self, settings: RuntimeSettings) -> None:
+        watchdog.apply(settings.watchdog)
+        comm.set_real_collectives(settings.real_collectives)
+
+    def backend_timeout_s(self, config: Any) -> float:
+        """The process group's own timeout for an engine with `config`: it only backs the watchdog up,
+        which reports first and says more."""
+        return watchdog.Settings.resolve(config.comm_timeout_s).timeout_s + 60.0
+
+
+RUNTIME = Runtime()  # the process's one Runtime: process-wide state by definition, owned here

@@ -1,0 +1,1 @@
+"""Unit tests of zerodp.adapters/ (in-process)."""

@@ -1,0 +1,1 @@
+"""Unit tests of zerodp.checkpoint (in-process, no process group unless a test makes one)."""
