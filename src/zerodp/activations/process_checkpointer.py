@@ -54,6 +54,11 @@ class ProcessCheckpointing:
         self.from_engine = True
         return checkpointer
 
+    def give_back(self) -> None:
+        """Remove an engine's section (the last engine out: engine/runtime.py); a `configure` call's stays."""
+        if self.from_engine:
+            self.checkpointer, self.from_engine = None, False
+
     def current(self) -> Checkpointer:
         """The installed Checkpointer, or plain checkpointing (defaults) when none was configured."""
         if self.checkpointer is None:

@@ -9,9 +9,14 @@
     dcp_boxes.py     a shard's flat ranges as DCP's N-d boxes, and the planners that write and read them
     hf_export.py     streaming consolidation into the Hugging Face layout (sharded safetensors + index)
     param_values.py  one parameter's whole master, gradient or optimizer state from a live engine
-
     tensor_parallel.py  Checkpoints of ZeRO beside tensor parallelism: one zerodp checkpoint per tensor-parallel rank.
     tensor_reader.py    Reading a safetensors file by element ranges with plain reads: `TensorFileReader`.
+    folder_kind.py   what a folder a load cannot read holds, and the way forward (one message)
+  DeepSpeed's formats (docs/checkpoints.md):
+    deepspeed_pickle.py      DeepSpeed's pickles read weights-only (its classes as inert records), and written
+    deepspeed_reader.py      a DeepSpeed ZeRO or universal checkpoint shown to the loader as a zerodp one
+    deepspeed_writer.py      DeepSpeed's ZeRO layout of an engine's state, beside zerodp's files
+    deepspeed_zero_to_fp32.py  the standalone zero_to_fp32.py copied beside `latest` (torch only)
 """
 
 from ..errors import CheckpointError

@@ -270,8 +270,9 @@ def resolve_tag_dir(ckpt_dir, tag: Optional[str] = None) -> Path:
             if (ckpt_dir / META_FILE).is_file():
                 return ckpt_dir  # the user passed a tag directory itself
             if not tags:
-                raise CheckpointError(f"{ckpt_dir} is not a zerodp checkpoint directory: no '{LATEST_FILE}' "
-                                      f"file and no <tag>/{META_FILE} inside")
+                from .folder_kind import describe_folder
+
+                raise CheckpointError(f"{ckpt_dir} is not a zerodp checkpoint directory: {describe_folder(ckpt_dir)}")
             raise CheckpointError(f"{ckpt_dir} has no '{LATEST_FILE}' file (deleted?); name the checkpoint: "
                                   f"load_checkpoint(dir, tag=T), or --tag T with zerodp train/consolidate, for T "
                                   f"among the {listing}")
@@ -282,6 +283,10 @@ def resolve_tag_dir(ckpt_dir, tag: Optional[str] = None) -> Path:
         trash = ckpt_dir / f"{TRASH_PREFIX}{tag}"
         if (trash / META_FILE).is_file():
             return trash  # a save of the same tag died between its two renames; the old copy is whole
+        if tag_dir.is_dir():  # the folder is there but is no complete zerodp checkpoint: say what it is instead
+            from .folder_kind import describe_folder
+
+            raise CheckpointError(f"checkpoint {tag!r} in {ckpt_dir} cannot be loaded: {describe_folder(tag_dir)}")
         raise CheckpointError(f"checkpoint tag {tag!r} not found in {ckpt_dir} ({listing})")
     return tag_dir
 

@@ -54,6 +54,7 @@ from . import units as cu
 from .. import comm
 from ..errors import CheckpointError
 from ..shard.seams import CheckpointEngine
+from .deepspeed_reader import as_zerodp, deepspeed_tag_dir, read_deepspeed
 from .consolidate import consolidate_checkpoint, consolidate_main, full_state_dict, save_consolidated
 
 LR_SCHEDULER_FILE = "lr_scheduler.pt"  # rank 0: the learning-rate schedule's state_dict (optim.lr_schedules)
@@ -254,9 +255,26 @@ def _message(error: Exception) -> str:
     return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
 
 
-def _prepare_load(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> _LoadPlan:
+def checkpoint_tag_dir(load_dir, tag: Optional[str] = None) -> Path:
+    """The folder of the checkpoint a load of (load_dir, tag) reads: a DeepSpeed tag folder, or zerodp's."""
+    ds_dir = deepspeed_tag_dir(Path(load_dir), tag)
+    return ds_dir if ds_dir is not None else fmt.resolve_tag_dir(load_dir, tag)
+
+
+def _open(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> tuple[dict, fmt.CheckpointFiles]:
+    """meta.json and the files of the checkpoint to load: zerodp's own, or DeepSpeed's read as one (a ZeRO or
+    universal folder: checkpoint/deepspeed_reader.py)."""
+    ds_dir = deepspeed_tag_dir(Path(load_dir), tag)
+    if ds_dir is not None:
+        return as_zerodp(ds_dir, read_deepspeed(ds_dir), engine, LR_SCHEDULER_FILE)
     tag_dir = fmt.resolve_tag_dir(load_dir, tag)
     meta = fmt.read_meta(tag_dir)
+    return meta, fmt.CheckpointFiles(tag_dir, meta)
+
+
+def _prepare_load(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> _LoadPlan:
+    meta, files = _open(engine, load_dir, tag)
+    tag_dir = files.tag_dir
     current = cs.describe_tensors(engine)
     cs.check_same_model(meta["tensors"], current, tag_dir)
     cls, larc = cs.optimizer_class(engine)
@@ -265,7 +283,6 @@ def _prepare_load(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> _Lo
         raise CheckpointError(f"checkpoint {tag_dir} holds the state of {saved_cls}{' in LARC' * bool(saved_larc)}, "
                               f"but the engine's optimizer is {cls}{' in LARC' * bool(larc)}; use the same "
                               f"optimizer, or load only the weights (zerodp.consolidate_checkpoint)")
-    files = fmt.CheckpointFiles(tag_dir, meta)
     plan = _LoadPlan(meta, files, cu.plan_load(engine, meta))
     for name in sorted(cu.files_needed(plan.units)):
         files.path(name)  # exists and matches its checksum (read in blocks: nothing is held)
@@ -275,7 +292,7 @@ def _prepare_load(engine: CheckpointEngine, load_dir, tag: Optional[str]) -> _Lo
         if entry["kind"] != "param" and entry["alias_of"] is None and id(live[key]) not in sharded:
             shape = torch.Size(entry["shape"])
             plan.module_states[key] = files.read_value(key, 0, shape.numel()).view(shape)
-    if engine.rank < meta["world_size"]:
+    if engine.rank < meta["world_size"] and files.has(fmt.rng_file(engine.rank)):  # DeepSpeed saves no RNG state
         plan.rng = files.read_json(fmt.rng_file(engine.rank))
     if files.has(fmt.CLIENT_STATE_FILE):
         plan.client_state = files.read_torch(fmt.CLIENT_STATE_FILE)

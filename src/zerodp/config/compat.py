@@ -133,7 +133,8 @@ NO_EFFECT: dict[str, NoEffect] = {
     "vocabulary_size": NoEffect("read only by DeepSpeed's sparse-attention and compression utilities"),
     "use_data_before_expert_parallelism": NoEffect("zerodp has no expert parallelism"),
     "checkpoint": NoEffect("zerodp checkpoints are already universal (any world size or stage), validated "
-                           "(tags must agree on every rank) and written by every rank in parallel"),
+                           "(tags must agree on every rank) and written by every rank in parallel; DeepSpeed's ZeRO "
+                           "and universal folders are told apart by their files, without load_universal"),
     "sparse_attention": NoEffect("configures DeepSpeed's sparse-attention modules, which only model code builds"),
     "pipeline": NoEffect("configures deepspeed.pipe.PipelineModule only"),
     "comet": _section_off("Comet monitor"),

@@ -1,6 +1,6 @@
 """The process-wide state zerodp changes, owned in one place: the `Runtime`, and each engine's `Lease` on it.
 
-Four things belong to the process, not to any one engine:
+Five things belong to the process, not to any one engine:
 - the real-collectives switch ([Note: collectives at world size 1] in comm/group.py): the user's
   ZERODP_REAL_COLLECTIVES=1 is read once, when an engine starts, and handed to the collectives as data;
 - the watchdog's settings (timeout, debug_sync, rank) and its thread (comm/watchdog.py);
@@ -8,7 +8,10 @@ Four things belong to the process, not to any one engine:
   only when no other engine is alive. Before the Runtime, each engine destroyed it at close(): with a
   second engine training beside the first, that one's next all-gather found no group (world size 1)
   and refused its buffers;
-- glibc's allocator threshold, which offload sets for the whole process (host_memory.map_large_buffers).
+- glibc's allocator threshold, which offload sets for the whole process (host_memory.map_large_buffers);
+- the activation checkpointing that `zerodp.activations.checkpoint` (and `deepspeed.checkpointing.checkpoint`)
+  use, which an engine's `activation_checkpointing` section installs (activations/process_checkpointer.py): the
+  newest live engine's section is in force, and the last engine out removes it (a `configure` call's stays).
 
 Each engine takes a lease when it starts (`RUNTIME.lease(config, rank, process_group)`) and gives it back in
 close(); an engine dropped without close() (garbage collected) counts as gone, silently. The newest live lease's settings are in force; a lease given back restores the settings of the
@@ -23,8 +26,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .. import comm, host_memory
+from .. import activations, comm, host_memory
 from ..comm import watchdog
+from ..config.activation_checkpointing import ActivationCheckpointingConfig
 
 
 @dataclass(frozen=True)
@@ -34,14 +38,16 @@ class RuntimeSettings:
     watchdog: watchdog.Settings
     real_collectives: bool
     uses_default_group: bool   # the engine's collectives run on the default group (process_group=None)
+    checkpointing: Optional[ActivationCheckpointingConfig] = None  # the config's section, where it has one
 
     @staticmethod
     def for_engine(config: Any, rank: int, process_group: comm.ProcessGroup) -> "RuntimeSettings":
         """Read from the engine's config and, once, from the environment (ZERODP_REAL_COLLECTIVES,
         ZERODP_COMM_TIMEOUT_S, ZERODP_DEBUG_SYNC)."""
+        section = config.activation_checkpointing if "activation_checkpointing" in config.model_fields_set else None
         return RuntimeSettings(watchdog.Settings.resolve(config.comm_timeout_s, config.zero_optimization.debug_sync,
                                                          rank),
-                               comm.real_collectives_requested(), process_group is None)
+                               comm.real_collectives_requested(), process_group is None, section)
 
 
 @dataclass(eq=False)
@@ -95,6 +101,11 @@ class Runtime:
         self._forget_dropped()
         if self.leases:
             self._apply(self.leases[-1].settings)
+            sections = [held.settings.checkpointing for held in self.leases if held.settings.checkpointing is not None]
+            if sections:
+                activations.PROCESS.adopt(sections[-1])  # the newest live engine's section
+            else:
+                activations.PROCESS.give_back()  # only the departed engine had one
             return
         if held.settings.uses_default_group and comm.owns_default_group():
             comm.destroy_distributed()  # zerodp created it and no engine is left to use it
@@ -103,6 +114,7 @@ class Runtime:
         settings, real = self._before
         watchdog.apply(settings)
         comm.set_real_collectives(real)
+        activations.PROCESS.give_back()  # the engines' checkpointing section; a configure() call's stays
         self._before = None
 
     def _forget_dropped(self) -> None:
@@ -112,6 +124,8 @@ class Runtime:
     def _apply(self, settings: RuntimeSettings) -> None:
         watchdog.apply(settings.watchdog)
         comm.set_real_collectives(settings.real_collectives)
+        if settings.checkpointing is not None:  # DeepSpeed's section: the process's checkpointing
+            activations.PROCESS.adopt(settings.checkpointing)
 
     def backend_timeout_s(self, config: Any) -> float:
         """The process group's own timeout for an engine with `config`: it only backs the watchdog up,

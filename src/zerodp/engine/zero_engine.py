@@ -22,8 +22,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .. import activations, comm
+from .. import comm
 from ..checkpoint import full_state_dict, read_checkpoint, save_checkpoint
+from ..checkpoint.deepspeed_writer import write_deepspeed_layout
 from ..checkpoint.dcp import read_dcp, save_dcp
 from ..checkpoint.state import set_rng_state
 from ..checkpoint.tensor_parallel import rank_dir as tp_rank_dir, save_per_rank as tp_save
@@ -322,13 +323,22 @@ class ZeroEngine:
 
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
-        """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path."""
+    def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        deepspeed_layout: bool = False) -> str:
+        """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path.
+        `deepspeed_layout=True` also writes DeepSpeed's ZeRO files into it (stages 1-3, no tensor parallelism), for
+        DeepSpeed's tools and DeepSpeed itself (checkpoint/deepspeed_writer.py, docs/checkpoints.md)."""
         watchdog.activity.enter("checkpoint")
         self.sync_written_shards()
         def save(root):
             return save_checkpoint(self, root, tag=tag, client_state=client_state)
-        return save(save_dir) if self.mpu is None else tp_save(self.mpu, self.rank, self.module, save_dir, save)
+        path = save(save_dir) if self.mpu is None else tp_save(self.mpu, self.rank, self.module, save_dir, save)
+        if deepspeed_layout:
+            if self.mpu is not None:
+                raise CheckpointError("save_checkpoint(deepspeed_layout=True) with tensor parallelism: DeepSpeed's "
+                                      "layout is written for data parallelism only; the zerodp checkpoint was saved")
+            write_deepspeed_layout(self, path, client_state)
+        return path
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
@@ -431,8 +441,6 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
     stepped after every optimizer step taken, instead of a config `scheduler` section. `mpu`: Megatron's model-
     parallel unit of a tensor-parallel model: ZeRO shards over its data-parallel group (optim/model_parallel.py)."""
     config = load_config(config)
-    if "activation_checkpointing" in config.model_fields_set:  # DeepSpeed's section: the process's checkpointing
-        activations.PROCESS.adopt(config.activation_checkpointing)
     created = comm.init_distributed(RUNTIME.backend_timeout_s(config))
     group = process_group if mpu is None else data_parallel_group(mpu, process_group)  # what ZeRO shards over
     if not created:  # a group made elsewhere (or an earlier engine's): which host each of its ranks runs on, now

@@ -96,7 +96,8 @@ class LossScaler:
         self._clean_steps += 1
         if self.consecutive_hysteresis:
             self._hysteresis_left = self.hysteresis
-        if self._clean_steps % self.window == 0:
+        if self._clean_steps > 0 and self._clean_steps % self.window == 0:  # -1 then 0: a DeepSpeed checkpoint
+            # saved right after an overflow (checkpoint/deepspeed_reader.loss_scaler_state)
             self._hysteresis_left = self.hysteresis
             self.scale *= self.factor
 

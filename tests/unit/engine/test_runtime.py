@@ -91,3 +91,35 @@ def test_the_last_engine_out_restores_the_allocator(destroyed):
     assert host_memory.large_buffers_mapped() is not None  # the other engine may still offload
     second.close()
     assert host_memory.large_buffers_mapped() is None
+
+
+def test_an_engines_checkpointing_section_is_given_back_by_the_last_engine_out(destroyed):
+    """`activations.PROCESS` holds the newest live engine's `activation_checkpointing` section; the last engine out
+    removes it, so a later `zerodp.activations.checkpoint` call runs with the defaults again (issue 43)."""
+    from zerodp import activations
+    from zerodp.config.activation_checkpointing import ActivationCheckpointingConfig
+
+    runtime = Runtime()
+    plain = activations.PROCESS.current().settings
+    assert plain == ActivationCheckpointingConfig() and activations.PROCESS.checkpointer is None
+    a = runtime.lease(load_config({"activation_checkpointing": {"cpu_checkpointing": True}}), rank=0)
+    b = runtime.lease(load_config({"activation_checkpointing": {"profile": True}}), rank=0)
+    assert activations.PROCESS.current().settings.profile  # the newest engine's
+    b.close()
+    assert activations.PROCESS.current().settings.cpu_checkpointing  # back to the live engine's
+    assert not activations.PROCESS.current().settings.profile
+    a.close()
+    assert activations.PROCESS.checkpointer is None and activations.PROCESS.current().settings == plain
+
+
+def test_a_configure_call_outlives_the_engines(destroyed):
+    from zerodp import activations
+    from zerodp.config.activation_checkpointing import ActivationCheckpointingConfig
+
+    runtime = Runtime()
+    configured = activations.PROCESS.configure(ActivationCheckpointingConfig(cpu_checkpointing=True))
+    try:
+        runtime.lease(load_config({"activation_checkpointing": {"profile": True}}), rank=0).close()
+        assert activations.PROCESS.checkpointer is configured  # DeepSpeed's rule: configure() wins and stays
+    finally:
+        activations.PROCESS.checkpointer, activations.PROCESS.from_engine = None, False

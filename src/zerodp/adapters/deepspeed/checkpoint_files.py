@@ -4,8 +4,10 @@ zerodp's checkpoint (zerodp/checkpoint/format.py) keeps weights and optimizer st
 safetensors shards with a meta.json. Tools written for DeepSpeed's layout open two kinds of torch file
 in the tag directory by DeepSpeed's names: PyTorch Lightning's `convert_zero_checkpoint_to_fp32_state_dict`
 reads the ZeRO stage from `torch.load(get_optim_files(d)[0])["optimizer_state_dict"]["zero_stage"]` and the
-client state (its trainer state) from `torch.load(get_model_state_file(d, stage))`. So
-`DeepSpeedEngine.save_checkpoint` also writes, on rank 0 once the checkpoint is complete,
+client state (its trainer state) from `torch.load(get_model_state_file(d, stage))`. With
+`checkpoint_format="zerodp"`, at stage 0, or with tensor parallelism, `DeepSpeedEngine.save_checkpoint` writes, on
+rank 0 once the checkpoint is complete (otherwise it writes DeepSpeed's real layout under these names:
+zerodp/checkpoint/deepspeed_writer.py),
   - `zero_pp_rank_<r>_mp_rank_00_optim_states.pt`, one per rank: {"optimizer_state_dict": {"zero_stage",
     "partition_count", "zerodp_shard": the rank's shard file}, "ds_version"}: an index, no tensors;
   - `mp_rank_00_model_states.pt` (stages 0-2) or `zero_pp_rank_0_mp_rank_00_model_states.pt` (stage 3),
@@ -50,7 +52,8 @@ def write_deepspeed_files(tag_dir, zero_stage: int, world_size: int, global_step
 
 def find_optim_files(tag_dir) -> list[str]:
     tag_dir = Path(tag_dir)
-    files = sorted(tag_dir.glob(f"*{OPTIM_SUFFIX}"), key=lambda p: int(p.name.split("_")[3]))
+    # "zero_pp_rank_<r>_..." or, for bf16 in DeepSpeed's layout, "bf16_zero_pp_rank_<r>_..."
+    files = sorted(tag_dir.glob(f"*{OPTIM_SUFFIX}"), key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]))
     if not files:
         raise FileNotFoundError(f"no '*{OPTIM_SUFFIX}' files in {tag_dir}: pass a checkpoint's tag directory, "
                                 f"written by zerodp.deepspeed's engine.save_checkpoint")

@@ -2,7 +2,9 @@
 
 Differences from DeepSpeed, on purpose, all in one place:
   - every stage is exact (equal to plain PyTorch on the global batch); there are no fused kernels;
-  - `load_checkpoint` loads at any world size or stage (DeepSpeed needs universal checkpoints);
+  - `load_checkpoint` loads at any world size or stage (DeepSpeed needs universal checkpoints), zerodp's checkpoints
+    and DeepSpeed's own (ZeRO stages 1-3 and universal folders: checkpoint/deepspeed_reader.py);
+  - `save_checkpoint` writes zerodp's format and, beside it, DeepSpeed's layout (docs/checkpoints.md);
   - `save_16bit_model` works at every stage, also without `stage3_gather_16bit_weights_on_model_save`
     (DeepSpeed saves nothing at stage 3 without it); a `.safetensors` name writes safetensors, any
     other name `torch.save`s the state dict, as DeepSpeed does;
@@ -17,6 +19,7 @@ Differences from DeepSpeed, on purpose, all in one place:
 
 from __future__ import annotations
 
+import shutil
 import weakref
 from pathlib import Path
 from typing import Any, Optional
@@ -28,12 +31,15 @@ from ...engine.zero_engine import ZeroEngine
 from ...optimizers.client_schedule import ClientSchedule  # noqa: F401 (zerodp.deepspeed.engine.ClientSchedule, as before)
 from .consolidated_weights import ConsolidatedWeights
 from .checkpoint_files import write_deepspeed_files
+from ...checkpoint import deepspeed_zero_to_fp32
+from ...checkpoint.deepspeed_writer import write_deepspeed_layout
 from ...checkpoint.tensor_parallel import rank_dir
 from ...tensor_parallel.mpu import mpu_call
 from .utils.timer import ThroughputTimer
 from .zero_optimizer import ZeroOptimizer
 
 # Which engine trains a parameter (for zerodp.deepspeed.utils' per-parameter getters).
+ZERO_TO_FP32_SCRIPT = deepspeed_zero_to_fp32.__file__  # copied beside `latest`, as DeepSpeed copies its own
 ENGINE_OF_PARAM: "weakref.WeakValueDictionary[int, DeepSpeedEngine]" = weakref.WeakValueDictionary()
 
 
@@ -268,18 +274,31 @@ class DeepSpeedEngine(ConsolidatedWeights):
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Every rank calls it; writes save_dir/tag (zerodp's sharded format), DeepSpeed-named index files for
-        tools that open DeepSpeed's (checkpoint_files.py) and, with stage3_gather_16bit_weights_on_model_save,
-        the 16-bit weights next to it. Returns True."""
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        checkpoint_format: str = "zerodp+deepspeed") -> bool:
+        """Every rank calls it; writes save_dir/tag and returns True. `checkpoint_format`:
+          - "zerodp+deepspeed" (the default, at stages 1-3): zerodp's sharded format (what zerodp resumes, at any world
+            size or stage) and, beside it in the same folder, DeepSpeed's ZeRO layout (checkpoint/deepspeed_writer.py)
+            with a zero_to_fp32.py beside `latest`, so DeepSpeed's tools and DeepSpeed itself read it;
+          - "zerodp": zerodp's format and DeepSpeed-named index files only (checkpoint_files.py; half the disk).
+        Stage 0 and tensor parallelism always write the latter. With stage3_gather_16bit_weights_on_model_save, the
+        16-bit weights go next to it too."""
         if not save_latest:
             raise ConfigError("save_checkpoint(save_latest=False) is not supported: zerodp's commit point is the "
                               "'latest' file; remove the argument")
-        path = self.engine.save_checkpoint(save_dir, tag=None if tag is None else str(tag),
-                                           client_state=dict(client_state or {}))
-        if self.global_rank == 0:
+        if checkpoint_format not in ("zerodp+deepspeed", "zerodp"):
+            raise ConfigError(f"save_checkpoint(checkpoint_format={checkpoint_format!r}): use 'zerodp+deepspeed' (the "
+                              f"default: DeepSpeed's tools read it too) or 'zerodp'")
+        client_state = dict(client_state or {})
+        path = self.engine.save_checkpoint(save_dir, tag=None if tag is None else str(tag), client_state=client_state)
+        if checkpoint_format == "zerodp+deepspeed" and self.engine.stage >= 1 and self.engine.mpu is None:
+            write_deepspeed_layout(self.engine, path, client_state,
+                                   self._ds_config if isinstance(self._ds_config, dict) else None)
+            if self.global_rank == 0:
+                shutil.copyfile(ZERO_TO_FP32_SCRIPT, Path(save_dir) / "zero_to_fp32.py")
+        elif self.global_rank == 0:
             write_deepspeed_files(path, self.engine.stage, self.world_size, self.engine.global_step,
-                                  self.engine.skipped_steps, dict(client_state or {}))
+                                  self.engine.skipped_steps, client_state)
         if self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             self.save_16bit_model(path, "model.safetensors")
         return True
@@ -292,12 +311,12 @@ class DeepSpeedEngine(ConsolidatedWeights):
             raise ConfigError("load_checkpoint: loading only the module (load_optimizer_states=False, "
                               "load_module_only=True, load_module_strict=False, custom_load_fn) is not implemented; "
                               "load the weights with zerodp.consolidate_checkpoint(path) and model.load_state_dict")
-        from ...checkpoint.format import resolve_tag_dir
+        from ...checkpoint.save_load import checkpoint_tag_dir
 
         if self.engine.mpu is not None:  # this tensor-parallel rank's directory (checkpoint/tensor_parallel.py)
             load_dir = rank_dir(self.engine.mpu, load_dir, saved=True)
 
-        path = resolve_tag_dir(load_dir, None if tag is None else str(tag))
+        path = checkpoint_tag_dir(load_dir, None if tag is None else str(tag))
         client_state = self.engine.load_checkpoint(load_dir, tag=None if tag is None else str(tag),
                                                    load_lr_scheduler=load_lr_scheduler_states)
         self._restore_client_groups()

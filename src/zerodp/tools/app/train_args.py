@@ -218,6 +218,7 @@ def resolve_train_args(opts: dict) -> TrainArgs:
 
 def _check_resumable(ckpt_dir: Path, tag: Optional[str], tp: int = 1) -> None:
     """Find and read the checkpoint's metadata now, so that a bad --resume/--tag is one line, not a rank failure."""
+    from ...checkpoint.deepspeed_reader import deepspeed_tag_dir
     from ...checkpoint.format import read_meta, resolve_tag_dir
     from ...errors import CheckpointError
 
@@ -228,6 +229,8 @@ def _check_resumable(ckpt_dir: Path, tag: Optional[str], tp: int = 1) -> None:
         if (saved_tp or 1) != tp:
             raise CheckpointError(f"it was saved at tensor-parallel size {saved_tp or 1}; resume with --tp "
                                   f"{saved_tp or 1} (the data-parallel size may differ)")
+        if saved_tp is None and deepspeed_tag_dir(ckpt_dir, tag) is not None:
+            return  # a DeepSpeed ZeRO or universal checkpoint: read at the load (checkpoint/deepspeed_reader.py)
         read_meta(resolve_tag_dir(ckpt_dir if saved_tp is None else tp_dir(ckpt_dir, 0, saved_tp), tag))
     except CheckpointError as err:
         raise UsageError(f"--resume {ckpt_dir}: {err}") from None

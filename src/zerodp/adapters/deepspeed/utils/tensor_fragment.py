@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ....checkpoint import GRAD, MASTER, whole_param_value
+from ....checkpoint.deepspeed_pickle import fragment_address
 
 
 def _engine_of(param: torch.nn.Parameter):

@@ -7,7 +7,8 @@
 
 `checkpoint_dir` is the folder `engine.save_checkpoint(save_dir)` wrote into (holding `latest` and the tag folders),
 `tag` one of its checkpoints (default: the latest), as in DeepSpeed. The checkpoint is zerodp's format, from any
-stage and world size (zerodp.consolidate_checkpoint reads it); DeepSpeed's own checkpoint files are not read.
+stage and world size (zerodp.consolidate_checkpoint reads it), or DeepSpeed's own (a ZeRO checkpoint of stages 1-3 or
+a universal folder: zerodp/checkpoint/deepspeed_reader.py).
 Tied weights are one tensor under every name, as DeepSpeed returns them. `get_optim_files` / `get_model_state_file`
 return the DeepSpeed-named index files `DeepSpeedEngine.save_checkpoint` writes beside zerodp's shards
 (zerodp/adapters/deepspeed/checkpoint_files.py): what PyTorch Lightning's `convert_zero_checkpoint_to_fp32_state_dict` opens.
@@ -15,11 +16,13 @@ return the DeepSpeed-named index files `DeepSpeedEngine.save_checkpoint` writes 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ....checkpoint import consolidate_checkpoint
+from ....checkpoint.deepspeed_reader import deepspeed_state_dict, deepspeed_tag_dir
 from ....checkpoint.format import read_meta, resolve_tag_dir
 from ..checkpoint_files import find_model_state_file, find_optim_files
 
@@ -35,6 +38,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] 
         raise NotImplementedError("get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not implemented in "
                                   "zerodp: the state dict is read whole; remove the argument")
     tag = None if tag is None else str(tag)
+    ds_dir = deepspeed_tag_dir(Path(checkpoint_dir), tag)
+    if ds_dir is not None:  # DeepSpeed's own files
+        return deepspeed_state_dict(ds_dir, exclude_frozen_parameters)
     state = consolidate_checkpoint(checkpoint_dir, tag)
     if exclude_frozen_parameters:
         entries = read_meta(resolve_tag_dir(checkpoint_dir, tag))["tensors"]
