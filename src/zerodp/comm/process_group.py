@@ -1,7 +1,8 @@
 """The default process group's life cycle: created from the launch environment (torchrun's, or a scheduler's
 world made into torchrun's: launch_env.py), its ranks' hosts learned (topology.py), owned by its creator,
-destroyed before interpreter shutdown (see [Note: teardown]), and re-made under a store prefix of its
-own after an elastic restart.
+destroyed before interpreter shutdown (see [Note: teardown]), and made under a store prefix of its own in
+every attempt of an elastic job (the attempt every node's ranks agreed on: elastic_attempt.py) and whenever it
+is made again in the same process.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 # any group, the defaults are None.
 import torch.distributed.nn.functional  # noqa: F401  (imported for the side effect above)
 
-from . import local_groups, topology, watchdog
+from . import elastic_attempt, local_groups, topology, watchdog
 from .launch_env import LaunchEnvironment, export_torch_variables, read_launch_environment
 from .communicator import new_group, wait_for_members
 from .backend import default_backend
@@ -57,10 +58,12 @@ def init_distributed(timeout_s: Optional[float] = None, launch: Optional[LaunchE
     timeout = timedelta(seconds=timeout_s)
     global _created_group, _groups_created
     _groups_created += 1
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart > 0 or _groups_created > 1:
-        dist.init_process_group(backend=backend, store=_fresh_store(timeout, restart, _groups_created),
-                                rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    attempt = elastic_attempt.current(timeout)  # under torch's elastic agent: what every node's ranks agreed on
+    if attempt is not None or _groups_created > 1:
+        store = dist.PrefixStore(attempt.prefix(_groups_created), attempt.store) if attempt is not None \
+            else _fresh_store(timeout, _groups_created)
+        dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
     wait_for_members()  # [Note: a communicator is made when every member has connected]
@@ -77,22 +80,20 @@ def init_distributed(timeout_s: Optional[float] = None, launch: Optional[LaunchE
     return True
 
 
-def _fresh_store(timeout, restart: int, generation: int) -> dist.Store:
-    """The rendezvous store of a default group that is not the first on this store, with keys under a
-    prefix of its own: a restarted attempt (`restart` > 0), or a group re-created in the same process after
-    `engine.close()` destroyed the first (`generation` > 1; every rank runs the same script, so every rank
-    counts the same).
+def _fresh_store(timeout, generation: int) -> dist.Store:
+    """The rendezvous store of a default group re-created in the same process after `engine.close()` destroyed
+    the first (`generation` > 1; every rank runs the same script, so every rank counts the same), with keys
+    under a prefix of its own, outside torch's elastic agent (under it, elastic_attempt.py names the prefix).
 
-    torch's elastic agent keeps its store for the whole job, and a re-created group starts torch's group
-    counter from 0 again, so under the default prefix the new group's communicators have the old ones'
-    names and read their dead addresses: gloo fails with "connectFullMesh failed ... Connection refused"
-    (pytorch/pytorch#167288 reports the same for NCCL after a restart).
+    A re-created group starts torch's group counter from 0 again, so under the default prefix the new group's
+    communicators would have the old ones' names and read their dead addresses: gloo fails with
+    "connectFullMesh failed ... Connection refused" (pytorch/pytorch#167288 reports the same for NCCL after an
+    elastic restart, where torch's agent keeps its store for the whole job: see elastic_attempt.py).
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_store, timeout=timeout, multi_tenant=not agent_store)
-    return dist.PrefixStore(f"zerodp/restart{restart}/group{generation}", store)
+                          is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"zerodp/group{generation}", store)
 
 
 # The default group init_distributed created, if it still exists: not configuration, only who owns it.

@@ -7,6 +7,8 @@ runs Lightning itself."""
 
 from __future__ import annotations
 
+import os
+
 from types import SimpleNamespace
 
 import pytest
@@ -71,9 +73,12 @@ def test_deepspeed_named_checkpoint_files_carry_the_stage_and_the_client_state(t
         get_optim_files(tmp_path / "elsewhere")
 
 
-def test_launcher_runner_has_what_accelerate_reads_and_refuses_deepspeeds_command(monkeypatch):
+def test_launcher_runner_has_what_accelerate_reads_and_is_deepspeeds_command(monkeypatch, tmp_path):
     from zerodp.adapters.deepspeed.launcher import runner
 
     assert runner.DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"  # DS_ENV_FILE unset here
-    with pytest.raises(SystemExit, match="does not provide DeepSpeed's `deepspeed` launcher command"):
-        runner.main()
+    assert runner.DEEPSPEED_ENVIRONMENT_PATHS == [os.path.expanduser("~"), "."]
+    # DeepSpeed's command (tests/unit/adapters/test_deepspeed_launcher.py, tests/e2e/test_deepspeed_launcher.py); a
+    # bad input stops it before anything starts
+    with pytest.raises(SystemExit, match=f"zerodp-deepspeed: error: --hostfile {tmp_path}/h: no such file"):
+        runner.main(["--hostfile", str(tmp_path / "h"), "train.py"])

@@ -9,21 +9,26 @@ plot, the sample, the launcher's log and `checkpoints/`. This module owns the ru
 - The folder must be writable, checked before any rank starts (not discovered after training).
 - Periodic checkpoints (`--save-every K`) rotate: a run keeps its newest `KEEP_CHECKPOINTS`, so a
   long run does not fill the disk; the final checkpoint and other runs' tags are never removed.
-- After a rank dies, torch's elastic agent restarts every rank (`--max-restarts N`; it sets
-  TORCHELASTIC_RESTART_COUNT) and `restart_checkpoint` names the newest complete checkpoint of
+- After a rank dies, torch's elastic agent restarts every rank (`--max-restarts N`, or torchrun's
+  `--max_restarts` on every node) and `restart_checkpoint` names the newest complete checkpoint of
   this run to resume from. Because the data order is a function of the step, the restarted run
-  ends with the same parameters as an uninterrupted one.
+  ends with the same parameters as an uninterrupted one. On several nodes each agent counts its
+  own restarts (TORCHELASTIC_RESTART_COUNT is 0 on a node whose workers did not fail), so the
+  restart and the job come from what every rank agreed on (comm/elastic_attempt.py), and run.json
+  records the job: a restarted attempt on any node knows the folder as its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Optional
 
 from ...checkpoint.format import LATEST_FILE, available_tags
+from ...comm import elastic_attempt
 
 CHECKPOINTS_DIR = "checkpoints"
 LAUNCHER_LOG = "launcher.log"
@@ -37,8 +42,30 @@ class RunFolderError(Exception):
 
 
 def restart_count() -> int:
-    """How many times the elastic agent has restarted this job's ranks (0 on the first attempt)."""
+    """How many times the elastic agent has restarted this job's ranks (0 on the first attempt), as every rank
+    of every node agrees on it (comm/elastic_attempt.py); without a job-long store, the local agent's count.
+    Under torch's elastic agent this is collective: every rank calls it."""
+    attempt = elastic_attempt.current()
+    if attempt is not None:
+        return attempt.index
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def this_job() -> Optional[str]:
+    """The elastic job this process runs in, the same in all its attempts (None outside torch's agent store)."""
+    attempt = elastic_attempt.current()
+    return None if attempt is None else attempt.job_id
+
+
+def holds_this_job(out: Path) -> bool:
+    """True when `out`'s run was started by this elastic job (an earlier attempt of it wrote run.json)."""
+    job = this_job()
+    if job is None:
+        return False
+    try:
+        return json.loads((out / "run.json").read_text()).get("job") == job
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def previous_run(out: Path) -> list[str]:

@@ -226,7 +226,9 @@ def _train(engine, args: TrainArgs, model, out: Path, rank: int, world: int, wal
         start_step = int(client.get("step", engine.global_step))
     if rank == 0:  # written once the checkpoint loaded: a refused resume leaves the run's settings as they were
         out.mkdir(parents=True, exist_ok=True)
-        (out / "run.json").write_text(json.dumps({"args": asdict(args)}, indent=2) + "\n")
+        # "job": the elastic job that owns the folder, so that its restarted attempts continue it (run_folder)
+        (out / "run.json").write_text(json.dumps({"args": asdict(args), "job": run_folder.this_job()}, indent=2)
+                                      + "\n")
         print(_banner(engine, args, world, numel, base_lr)
               + (f", resumed at step {start_step}" if resume else ""), flush=True)
         if restart:

@@ -200,8 +200,11 @@ def resolve_train_args(opts: dict) -> TrainArgs:
                   else Path(opts["resume"]).parent)
     else:
         out = default_out()
-    continuing = run_folder.restart_count() > 0 or (resume_dir is not None and Path(out).resolve() in
-                                                    (resume_dir.resolve(), resume_dir.resolve().parent))
+    # an elastic restart of this job, on any node (run.json names the job), or a resume of this folder
+    restarted = run_folder.holds_this_job(Path(out)) if run_folder.this_job() is not None \
+        else run_folder.restart_count() > 0
+    continuing = restarted or (resume_dir is not None and Path(out).resolve() in
+                               (resume_dir.resolve(), resume_dir.resolve().parent))
     try:
         run_folder.prepare(Path(out), continuing=continuing, overwrite=bool(opts.get("overwrite")))
     except run_folder.RunFolderError as err:
