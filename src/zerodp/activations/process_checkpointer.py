@@ -54,6 +54,11 @@ class ProcessCheckpointing:
         self.from_engine = True
         return checkpointer
 
+    def check(self, settings: ActivationCheckpointingConfig) -> None:
+        """Raise what `adopt(settings)` would raise (e.g. partition_activations without an mpu), changing nothing."""
+        if self.checkpointer is None or self.from_engine:
+            Checkpointer(settings, ModelParallelGroup.from_mpu(self.mpu), self.tracker)
+
     def give_back(self) -> None:
         """Remove an engine's section (the last engine out: engine/runtime.py); a `configure` call's stays."""
         if self.from_engine:

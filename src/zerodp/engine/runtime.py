@@ -41,10 +41,13 @@ class RuntimeSettings:
     checkpointing: Optional[ActivationCheckpointingConfig] = None  # the config's section, where it has one
 
     @staticmethod
-    def for_engine(config: Any, rank: int, process_group: comm.ProcessGroup) -> "RuntimeSettings":
+    def for_engine(config: Any, rank: int, process_group: comm.ProcessGroup,
+                   checkpointing: bool = False) -> "RuntimeSettings":
         """Read from the engine's config and, once, from the environment (ZERODP_REAL_COLLECTIVES,
-        ZERODP_COMM_TIMEOUT_S, ZERODP_DEBUG_SYNC)."""
-        section = config.activation_checkpointing if "activation_checkpointing" in config.model_fields_set else None
+        ZERODP_COMM_TIMEOUT_S, ZERODP_DEBUG_SYNC). `checkpointing`: the config's `activation_checkpointing`
+        section, where it has one, becomes the process's (what `zerodp.initialize` asks)."""
+        given = checkpointing and "activation_checkpointing" in config.model_fields_set
+        section = config.activation_checkpointing if given else None
         return RuntimeSettings(watchdog.Settings.resolve(config.comm_timeout_s, config.zero_optimization.debug_sync,
                                                          rank),
                                comm.real_collectives_requested(), process_group is None, section)
@@ -81,9 +84,14 @@ class Runtime:
     # the process's settings before the first live lease, restored when the last one is given back
     _before: Optional[tuple[watchdog.Settings, Optional[bool]]] = None
 
-    def lease(self, config: Any, rank: int, process_group: comm.ProcessGroup = None) -> Lease:
-        """Put an engine's settings in force (see the module docstring) and return its lease."""
-        settings = RuntimeSettings.for_engine(config, rank, process_group)
+    def lease(self, config: Any, rank: int, process_group: comm.ProcessGroup = None,
+              checkpointing: bool = False) -> Lease:
+        """Put an engine's settings in force (see the module docstring) and return its lease. `checkpointing`:
+        install the config's activation_checkpointing section (a section it cannot install raises here, and
+        no lease is taken)."""
+        settings = RuntimeSettings.for_engine(config, rank, process_group, checkpointing)
+        if settings.checkpointing is not None:  # first: an invalid section leaves the process as it was
+            activations.PROCESS.check(settings.checkpointing)
         self._forget_dropped()
         if not self.leases:
             self._before = (watchdog.settings(), comm.set_real_collectives(None))

@@ -464,7 +464,7 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None,
     group = process_group if mpu is None else data_parallel_group(mpu, process_group)  # what ZeRO shards over
     if not created:  # a group made elsewhere (or an earlier engine's): which host each of its ranks runs on, now
         comm.topology.learn_hosts(group)  # (hpZ and MiCS size their blocks by it; comm/topology.py)
-    lease = RUNTIME.lease(config, comm.get_rank(group), group)
+    lease = RUNTIME.lease(config, comm.get_rank(group), group, checkpointing=True)  # DeepSpeed's section, if any
     try:
         place_module(model, group)  # NCCL: a CPU-built model to cuda:LOCAL_RANK ([Note: a CPU-built model under NCCL])
         return ZeroEngine(model, optimizer, config, process_group, cast_inputs, lr_scheduler=lr_scheduler,

@@ -102,8 +102,8 @@ def test_an_engines_checkpointing_section_is_given_back_by_the_last_engine_out(d
     runtime = Runtime()
     plain = activations.PROCESS.current().settings
     assert plain == ActivationCheckpointingConfig() and activations.PROCESS.checkpointer is None
-    a = runtime.lease(load_config({"activation_checkpointing": {"cpu_checkpointing": True}}), rank=0)
-    b = runtime.lease(load_config({"activation_checkpointing": {"profile": True}}), rank=0)
+    a = runtime.lease(load_config({"activation_checkpointing": {"cpu_checkpointing": True}}), rank=0, checkpointing=True)
+    b = runtime.lease(load_config({"activation_checkpointing": {"profile": True}}), rank=0, checkpointing=True)
     assert activations.PROCESS.current().settings.profile  # the newest engine's
     b.close()
     assert activations.PROCESS.current().settings.cpu_checkpointing  # back to the live engine's
@@ -119,7 +119,28 @@ def test_a_configure_call_outlives_the_engines(destroyed):
     runtime = Runtime()
     configured = activations.PROCESS.configure(ActivationCheckpointingConfig(cpu_checkpointing=True))
     try:
-        runtime.lease(load_config({"activation_checkpointing": {"profile": True}}), rank=0).close()
+        runtime.lease(load_config({"activation_checkpointing": {"profile": True}}), rank=0, checkpointing=True).close()
         assert activations.PROCESS.checkpointer is configured  # DeepSpeed's rule: configure() wins and stays
     finally:
         activations.PROCESS.checkpointer, activations.PROCESS.from_engine = None, False
+
+
+def test_a_section_that_cannot_be_installed_takes_no_lease(destroyed):
+    """partition_activations without an mpu is refused at the lease, and the process is left as it was: no lease
+    held, no checkpointing installed, so the next engine starts clean (a failed build leaks nothing)."""
+    from zerodp import activations
+
+    runtime = Runtime()
+    bad = load_config({"activation_checkpointing": {"partition_activations": True}})
+    with pytest.raises(ValueError, match="no model-parallel unit"):
+        runtime.lease(bad, rank=0, checkpointing=True)
+    assert runtime.leases == [] and activations.PROCESS.checkpointer is None
+    runtime.lease(bad, rank=0).close()  # an engine built directly (not by initialize) does not install it
+
+
+def test_a_lease_without_checkpointing_leaves_the_process_checkpointing_alone(destroyed):
+    from zerodp import activations
+
+    held = Runtime().lease(load_config({"activation_checkpointing": {"profile": True}}), rank=0)
+    assert activations.PROCESS.checkpointer is None
+    held.close()
