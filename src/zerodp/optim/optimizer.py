@@ -64,6 +64,7 @@ from .checkpoint_state import CheckpointStateAccess
 from .shared_groups import share_param_groups
 from ..optimizers.shard_norms import maybe_bind, segments_from_layout, split_segments
 from .step_kernel import master_group_settings
+from .grad_staging import GradStaging
 from .step_plan import StepPlan, check_host_step
 from .transient_grads import TransientGradSteps
 
@@ -84,7 +85,8 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
                  sharded: bool, gradient_clipping: float, offload=None,
-                 placement: Optional[Placement] = None, model_parallel: Optional[ModelParallelNorm] = None) -> None:
+                 placement: Optional[Placement] = None, model_parallel: Optional[ModelParallelNorm] = None,
+                 grad_staging: Optional[GradStaging] = None) -> None:
         self.units = units
         self.model_parallel = model_parallel  # tensor parallelism beside ZeRO: its norm rule (model_parallel.py)
         self.precision = precision
@@ -130,7 +132,10 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
             offload.attach(self.optimizer, self.chunks)
         # the windows, residency, gradient binding and write-back of every step (step_plan.py)
-        self.plan = StepPlan(units, self.chunks, self.masters, self.placement, self.chunk_numel, offload)
+        # `grad_staging`: ZeRO-Offload's host copies of the gradient shards, their destination composed by the engine
+        # (engine/grad_path.py); the plan reads them at the step
+        self.plan = StepPlan(units, self.chunks, self.masters, self.placement, self.chunk_numel, offload,
+                             grad_staging)
         self._norm: Optional[torch.Tensor] = None       # the last step's global norm, on the device, unread
         self._norm_value: Optional[float] = None        # ... read once, when someone asks (last_grad_norm)
         self.last_step_skipped = False
@@ -224,10 +229,6 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
     def last_grad_norm_tensor(self) -> Optional[torch.Tensor]:
         """`last_grad_norm` as a float64 tensor on the gradients' device, unread (None where it is None)."""
         return self._norm
-
-    def expect_final_grads(self, final: bool) -> None:
-        """Before each backward (the engine's): `final` at the accumulation boundary (step_plan.py)."""
-        self.plan.expect_final_grads(final)
 
     def step(self, received: Optional[torch.Tensor]) -> StepOutcome:
         """Run one optimizer step over the shards; returns whether it stepped or why it did not.

@@ -24,7 +24,9 @@ rank's gradient shard. With `home` (an offload.ShardStore: stage 3, fp32, offloa
 shard lives there between deliveries and the optimizer step (`offloaded`): its storage exists only
 inside `resident()`, and `shard_square_norm()` answers from the square norm kept at the last
 delivery, so the step need not read every shard twice ([Note: gradient shards offloaded] in
-offload/shard_store.py). Without a home both are trivial; callers never ask which.
+offload/shard_store.py). Without a home both are trivial; callers never ask which. Under ZeRO-Offload on a
+GPU the shard's `destination` (chosen once by the engine's composition, engine/grad_path.py) is told around
+every delivery and queues the host step's copy (grads/grad_destination.py): the optimizer registers nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ...host_memory import alloc_storage, free_storage
 from ..flat.buffer import FlatBuffer
 from ..flat.layout import FlatLayout
 from .grad_arithmetic import GradArithmetic
+from .grad_destination import GradDestination
 from .grad_state import ALLOWED as _ALLOWED, GradState
 from .split_reduce import SplitReduce
 
@@ -292,9 +295,9 @@ class GradShard:
 
     def wait(self) -> None:
         """Finish the reduction in flight, if any: average over ranks into `shard`."""
-        # any write of `shard` after a delivery follows a wait(): observers order it after their reads of it
-        for observer in self._observers:
-            observer.before_write(self.shard)
+        # any write of `shard` after a delivery follows a wait(): the destination orders it after its reads of it
+        if self.destination is not None:
+            self.destination.before_write(self.shard)
         if self.state is not GradState.REDUCING:
             return
         pending, self._pending = self._pending, None
@@ -314,13 +317,18 @@ class GradShard:
         self._deliver(reduced)
         self._to(GradState.REDUCED)
 
-    _observers: tuple = ()  # told around each delivery (optim/grad_staging.py: ZeRO-Offload's host copy)
+    destination: Optional[GradDestination] = None  # told around each delivery (grads/grad_destination.py)
 
-    def observe_deliveries(self, observer) -> None:
-        """Call `observer.before_write(shard)` at every `wait()` (before anything may write `shard` again) and
-        `observer.after_write(shard)` after every delivery of a reduced slice into it (for a shard without a
-        `home`: one with a home is read where it rests)."""
-        self._observers = self._observers + (observer,)
+    def deliver_to(self, destination: GradDestination) -> None:
+        """Choose, once and before any backward, where this shard's deliveries also go (grads/grad_destination.py:
+        ZeRO-Offload's host staging): `destination.before_write(shard)` at every `wait()` (before anything may write
+        `shard` again), `destination.after_write(shard)` after every delivery of a reduced slice into it."""
+        if self.destination is not None:
+            raise AssertionError(f"gradient shard {self.name or '?'}: its destination is chosen once")
+        if self.home is not None:
+            raise AssertionError(f"gradient shard {self.name or '?'} rests in an offload store: it is read where it "
+                                 f"rests, not copied at its deliveries")
+        self.destination = destination
 
     def _deliver(self, reduced: torch.Tensor) -> None:
         """Put a reduced slice into this rank's shard; see [Note: reduced shard destination]."""
@@ -335,8 +343,8 @@ class GradShard:
         elif self._stash is not None:
             reduced.add_(self._stash)  # reduced is `shard` itself
             self._stash = None
-        for observer in self._observers:
-            observer.after_write(self.shard)
+        if self.destination is not None:
+            self.destination.after_write(self.shard)
 
     def after_raised_backward(self) -> None:
         """The last backward raised after this shard's round launched: finish the reduction in flight and keep its
