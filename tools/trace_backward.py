@@ -56,6 +56,7 @@ def trace(stage: int, bf16: bool = False, host_staging: bool = False) -> dict:
             original(config, device), masters_are_shards=False, grad_staging=Home(HOST, dtype),
             param_staging=Home(HOST, dtype))
     calls: Counter = Counter()
+    functions: Counter = Counter()  # (module, function) -> calls
     sequence: list[str] = []  # the package running after each zerodp call or return
     try:
         model = make_model()
@@ -72,6 +73,7 @@ def trace(stage: int, bf16: bool = False, host_staging: bool = False) -> dict:
                             return
                         if event == "call":
                             calls[module] += 1
+                            functions[module, frame.f_code.co_name] += 1
                             sequence.append(_package(module))
                         else:  # back to the caller, if it is zerodp's
                             back = frame.f_back
@@ -92,7 +94,7 @@ def trace(stage: int, bf16: bool = False, host_staging: bool = False) -> dict:
     packages = Counter()
     for module, n in calls.items():
         packages[_package(module)] += n
-    return {"modules": calls, "packages": packages, "switches": switches}
+    return {"modules": calls, "packages": packages, "switches": switches, "functions": functions}
 
 
 def main() -> None:
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--host-staging", action="store_true", help="ZeRO-Offload's host step, forced on the CPU")
     parser.add_argument("--list", action="store_true", help="list the modules with their call counts")
+    parser.add_argument("--functions", action="store_true", help="with --list: each module's functions too")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for stage in args.stage or [1, 2, 3]:
@@ -111,6 +114,9 @@ def main() -> None:
         if args.list:
             for module, n in sorted(counts["modules"].items()):
                 print(f"    {n:6d}  {module}")
+                for (m, function), k in sorted(counts["functions"].items()):
+                    if m == module and args.functions:
+                        print(f"              {k:6d}  {function}")
 
 
 if __name__ == "__main__":

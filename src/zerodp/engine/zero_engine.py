@@ -177,7 +177,8 @@ class ZeroEngine:
         # A tensor, not a Python bool: reading it would be a device sync every micro-step.
         finite = torch.isfinite(loss.detach())
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        self.monitor.on_backward(loss)
+        if self.monitor.writers or self.monitor.flops_profiler is not None:  # nothing to tell an idle monitor
+            self.monitor.on_backward(loss)
         watchdog.activity.enter("backward")
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
