@@ -6,6 +6,7 @@
     runtime.py      Runtime: the process-wide state zerodp changes, and each engine's Lease on it
     nonfinite.py    non-finite gradients in bf16/fp32, detected on every rank at once, then stop or skip
     optimizer_offload.py  the optimizer-state offload (ZeRO-Offload/Infinity) from the config, over offload/'s stores
+    grad_path.py    compose_grad_staging: where reduced gradient shards go (memory, store, host staging), once
 
 The engine drives the layers below it in one direction: shard/ (the sharded state), optim/ (the sharded step),
 offload/ (where each state lives), comm/ (the collectives).

@@ -39,6 +39,7 @@ from ..host_memory import TRIM_INTERVAL_STEPS, release_free_memory
 from ..comm.module_device import place_module
 from ..monitor.monitor import Monitor
 from .nonfinite import NonFinitePolicy, check_hyperparameters, describe
+from .grad_path import compose_grad_staging
 from .optimizer_offload import build_optimizer_offload
 from ..optim.inner import group_hyperparameters
 from ..optim.model_parallel import data_parallel_group, model_parallel_norm
@@ -114,11 +115,15 @@ class ZeroEngine:
         self.user_optimizer = user_opt  # read for its classes only (memory_report); never stepped
         self.units = self.sharding.units  # each holds its own shards' residency (seams.ShardedUnit.resident)
         offload = build_optimizer_offload(config, self.units, user_opt, process_group, self.placement)  # or None
+        # the gradient shards' destination, chosen once from the placement (grad_path.py): None, or ZeRO-Offload's
+        # host staging, armed before each backward and read by the optimizer's step
+        self.grad_staging = compose_grad_staging(self.units, self.placement)
         self.optimizer = ShardedOptimizer(
             # norms and overflow checks over the ranks the shards split over (a MiCS block's replicas are copies)
             self.units, user_opt, group_hyperparameters(user_opt), self.precision, self.scaler, self.sharding.state_group,
             sharded=self.stage >= 1, gradient_clipping=config.gradient_clipping, offload=offload,
-            placement=self.placement, model_parallel=expert_norm or model_parallel_norm(mpu, model))
+            placement=self.placement, model_parallel=expert_norm or model_parallel_norm(mpu, model),
+            grad_staging=self.grad_staging)
         self.optimizer.late_starters.param_names = self.param_names  # to name them (optim/late_starters.py)
         # DeepSpeed's `scheduler` section or the caller's own schedule, stepped after every optimizer step taken
         self._lr_scheduler = None if config.scheduler is None else \
@@ -179,12 +184,14 @@ class ZeroEngine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         boundary = self.is_accumulation_boundary
         self.sharding.start_micro_step(reduce=boundary or self.sharding.reduces_every_micro_step)
-        self.optimizer.expect_final_grads(boundary)  # ZeRO-Offload: copy the step's gradients as they are reduced
+        if self.grad_staging is not None:  # ZeRO-Offload: copy the step's gradients to the host as they are reduced
+            self.grad_staging.arm(boundary)
         scale = self.scaler.scale / (self.gradient_accumulation_steps if divide_by_accumulation_steps else 1)
         # A tensor, not a Python bool: reading it would be a device sync every micro-step.
         finite = torch.isfinite(loss.detach())
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        self.monitor.on_backward(loss)
+        if self.monitor.writers or self.monitor.flops_profiler is not None:  # nothing to tell an idle monitor
+            self.monitor.on_backward(loss)
         watchdog.activity.enter("backward")
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)

@@ -10,6 +10,7 @@ Modules:
     shared_groups.py     The user's param groups are the inner optimizer's groups: one dict per group, shared.
     step_counts.py       Per-parameter step counts for Adam-family optimizers stepped over flat chunks: `StepCounts`.
     step_kernel.py       Which torch implementation steps zerodp's flat fp32 masters: `master_step_settings`.
+    step_path.py         Which gradients one optimizer step reads, chosen once: `StepPath` (bound, or transient).
     step_plan.py         How one optimizer step walks this rank's chunks: `StepPlan`, the only place that knows what is ...
     transient_grads.py   Mixed-precision steps whose fp32 copies of the gradients exist one window of units at a time.
 """

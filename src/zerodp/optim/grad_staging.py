@@ -10,6 +10,8 @@ for the step, while the backward goes on computing the next units:
     stage 2   at the boundary micro-step's reduction of the bucket (the last one adding into the shard)
     stage 3   at the boundary micro-step's reduction of the unit
 
+The staging is the gradient shards' destination, chosen once from the placement when the engine is composed
+(engine/grad_path.py gives each shard its `destination(index)`; the step plan reads the same staging).
 `arm(final)` runs before every backward (final: it is the boundary's). While armed, every delivery of a
 reduced slice into a shard (grads/grad_shard.py [Note: reduced shard destination]) queues a copy of the
 whole shard on a side stream, ordered after the delivery by the stream's wait on the current one; the copy
@@ -72,9 +74,10 @@ class GradStaging:
         if final:
             self._fresh.clear()  # earlier copies (a previous backward at this boundary) may be stale now
 
-    def observer(self, index: int) -> "DeliveryObserver":
-        """What unit `index`'s gradient shard calls around each delivery (GradShard.observe_deliveries)."""
-        return DeliveryObserver(self, index)
+    def destination(self, index: int) -> "HostCopyDestination":
+        """Unit `index`'s gradient destination (grads/grad_destination.py), given to its shard once by the
+        engine's composition (engine/grad_path.py: `GradShard.deliver_to`)."""
+        return HostCopyDestination(self, index)
 
     def before_write(self, index: int) -> None:
         """A delivery is about to add into unit `index`'s shard: it must not overtake a copy of it in flight."""
@@ -223,8 +226,8 @@ def widen_in_place(buf: torch.Tensor, landing: torch.Tensor) -> None:
     buf[k:].copy_(landing[k:].clone())
 
 
-class DeliveryObserver:
-    """Unit `index`'s link to its `GradStaging`, called by its GradShard around each delivery."""
+class HostCopyDestination:
+    """Unit `index`'s `GradDestination` (grads/grad_destination.py): its GradShard calls it around each delivery."""
 
     def __init__(self, staging: GradStaging, index: int) -> None:
         self.staging = staging

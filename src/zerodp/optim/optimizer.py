@@ -66,6 +66,8 @@ from .checkpoint_state import CheckpointStateAccess
 from .shared_groups import share_param_groups
 from ..optimizers.shard_norms import maybe_bind, segments_from_layout, split_segments
 from .step_kernel import master_group_settings
+from .grad_staging import GradStaging
+from .step_path import BoundGradients, TransientGradients
 from .step_plan import StepPlan, check_host_step
 from .transient_grads import TransientGradSteps
 
@@ -86,7 +88,8 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
                  precision: PrecisionPolicy, scaler: LossScaler, process_group: comm.ProcessGroup,
                  sharded: bool, gradient_clipping: float, offload=None,
-                 placement: Optional[Placement] = None, model_parallel: Optional[ModelParallelNorm] = None) -> None:
+                 placement: Optional[Placement] = None, model_parallel: Optional[ModelParallelNorm] = None,
+                 grad_staging: Optional[GradStaging] = None) -> None:
         self.units = units
         self.model_parallel = model_parallel  # tensor parallelism beside ZeRO: its norm rule (model_parallel.py)
         self.precision = precision
@@ -133,7 +136,13 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         if offload is not None:  # offload: the state moves to its store (see offload/optimizer_state.py)
             offload.attach(self.optimizer, self.chunks)
         # the windows, residency, gradient binding and write-back of every step (step_plan.py)
-        self.plan = StepPlan(units, self.chunks, self.masters, self.placement, self.chunk_numel, offload)
+        # `grad_staging`: ZeRO-Offload's host copies of the gradient shards, their destination composed by the engine
+        # (engine/grad_path.py); the plan reads them at the step
+        self.plan = StepPlan(units, self.chunks, self.masters, self.placement, self.chunk_numel, offload,
+                             grad_staging)
+        # which gradients the step reads, chosen once (step_path.py): no step asks again
+        self.path = (TransientGradients(self.step_transient) if self.transient_grads_apply() else
+                     BoundGradients(self.plan, self._step_chunks, self.plan.host_step and model_parallel is None))
         self._norm: Optional[torch.Tensor] = None       # the last step's global norm, on the device, unread
         self._norm_value: Optional[float] = None        # ... read once, when someone asks (last_grad_norm)
         self.last_step_skipped = False
@@ -234,10 +243,6 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         """`last_grad_norm` as a float64 tensor on the gradients' device, unread (None where it is None)."""
         return self._norm
 
-    def expect_final_grads(self, final: bool) -> None:
-        """Before each backward (the engine's): `final` at the accumulation boundary (step_plan.py)."""
-        self.plan.expect_final_grads(final)
-
     def step(self, received: Optional[torch.Tensor]) -> StepOutcome:
         """Run one optimizer step over the shards; returns whether it stepped or why it did not.
 
@@ -252,10 +257,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             self._norm, self._norm_value = None, None
             self.plan.drop_grads()
             return StepOutcome.OVERFLOW
-        transient = self.transient_grads_apply()  # [Note: fp32 gradients at the step] (transient_grads.py)
-        # A host step reads its gradients from host copies of the shards as reduced (step_plan.py); without loss
-        # scaling its norm is the shards' own, as the transient step's: no fp32 copy of them on the device.
-        raw = transient or (self.plan.host_step and self.scaler.scale == 1.0 and self.model_parallel is None)
+        raw = self.path.raw_grads(self.scaler.scale)  # the norm from the shards as reduced: no fp32 copies here
         grads = []
         for unit, master in zip(self.units, self.masters):
             same = raw or unit.grad_shard.dtype == master.dtype
@@ -266,8 +268,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         norm = self._global_norm(grads, casts=self.scaler.scale == 1.0)
         self._norm, self._norm_value = norm, None
         coef = self._clip_coefficient(norm)
-        if not transient:  # clipped and bound where they are (streamed shards per window); host copies for a host step
-            self.plan.bind_all(grads, coef, received, self.scaler.scale)
+        self.path.bind(grads, coef, received, self.scaler.scale)  # (the transient path binds per window, in run)
         # note: a sync point, the step's one read in bf16/fp32 (issue 32): whether the norm is finite. A NaN/Inf
         # must not reach the masters (nonfinite.py) and torch's optimizers cannot skip on a device flag, so the
         # host must know before the first write; it asks as late as that, after the binding above, while the
@@ -281,10 +282,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             return StepOutcome.NONFINITE
         late = self.step_counts.late(received)  # host lists: parameters stepped with their own count
         uncorrected = self.step_counts.late(received, corrected=False)  # ... and those warned of (late_starters.py)
-        if transient:  # fp32 copies of the 16-bit gradients made, clipped and stepped one window at a time
-            self.step_transient(coef, received, late)
-        else:
-            self.plan.run(lambda window: self._step_chunks(received, window, late), received)
+        self.path.run(coef, received, late)
         self.plan.drop_grads()
         self.plan.write_back()  # the parameter shards follow their masters (unless they are them)
         self.step_counts.after_step(received)

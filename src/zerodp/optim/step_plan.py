@@ -53,7 +53,7 @@ class StepPlan:
     """The windows, residency, gradient binding and write-back of one step; see the module docstring."""
 
     def __init__(self, units: list[ShardedUnit], chunks: list[list[torch.Tensor]], masters: list[torch.Tensor],
-                 placement: Placement, chunk_numel: int, offload=None) -> None:
+                 placement: Placement, chunk_numel: int, offload=None, staging: Optional[GradStaging] = None) -> None:
         self.units = units
         self.chunks = chunks
         self.masters = masters
@@ -73,25 +73,17 @@ class StepPlan:
         # the step reads its gradients from (and writes parameters through) host buffers where the placement
         # gives them one: ZeRO-Offload on a GPU (a CPU test forces it to run this path: test_placement.py)
         self.host_step = placement.grad_staging is not None
-        # host step: each shard's copy is queued at its last delivery before the step (streamed shards: read
-        # per window at the step, and copied then)
-        self.staging = (GradStaging(placement.grad_staging, placement.compute.device, placement.masters.dtype)
-                        if self.host_step else None)
-        if self.staging is not None:
-            for index, unit in enumerate(units):
-                if not self.stream_grads[index]:
-                    unit.grads.observe_deliveries(self.staging.observer(index))
+        # host step: `staging`, the gradient shards' destination composed by the engine (engine/grad_path.py),
+        # holds each shard's copy queued at its last delivery before the step (streamed shards: read per window
+        # at the step, and copied then). Without one (this class used alone) every copy is made at the step.
+        if self.host_step and staging is None:
+            staging = GradStaging(placement.grad_staging, placement.compute.device, placement.masters.dtype)
+        self.staging = staging if self.host_step else None
         self._param_staging = HostBuffers(placement.param_staging) if self.host_step else None
         self._param_copies: dict[int, "torch.cuda.Event"] = {}  # unit -> the copy out of its staging buffer in flight
         self._coef: Optional[torch.Tensor] = None  # this step's clip coefficient (None: no clipping)
 
     # -- gradients -----------------------------------------------------------------------------
-
-    def expect_final_grads(self, final: bool) -> None:
-        """Before a backward: `final` when it is the accumulation boundary's, whose reductions are the step's
-        gradients (a host step copies them to the host as they land: optim/grad_staging.py)."""
-        if self.staging is not None:
-            self.staging.arm(final)
 
     def bind_all(self, grads: list[torch.Tensor], coef: Optional[torch.Tensor], received: Optional[torch.Tensor],
                  scale: float = 1.0) -> None:

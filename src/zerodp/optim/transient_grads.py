@@ -34,9 +34,11 @@ class TransientGradSteps:
     """The windowed step of [Note: fp32 gradients at the step] (module docstring)."""
 
     def transient_grads_apply(self) -> bool:
-        """True when the fp32 gradient copies are made per window at the step (module docstring)."""
-        if not self.precision.mixed or self.scaler.scale != 1.0 or self.offload is not None or self.plan.per_unit \
-                or self.plan.host_step:
+        """True when the fp32 gradient copies are made per window at the step (module docstring). Asked once, when
+        the optimizer chooses its step path (step_path.py), from facts fixed at construction: a loss scale that may
+        change (fp16's dynamic one) takes the other path for good."""
+        if not self.precision.mixed or self.scaler.scale != 1.0 or self.scaler.dynamic or self.offload is not None \
+                or self.plan.per_unit or self.plan.host_step:
             return False
         # zerodp's list of elementwise classes, whose state is per parameter: an optimizer the user only asserts
         # elementwise (zero_allow_untested_optimizer) may keep state per step() call, which windows would repeat

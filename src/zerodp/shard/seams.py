@@ -24,15 +24,21 @@ is offloaded those blocks are empty. Nobody above the units and the strategy tou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ContextManager, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, ContextManager, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
 from .flat.layout import FlatLayout
+from .grads.grad_destination import GradDestination
 
-if TYPE_CHECKING:  # annotation only: grads/ imports nothing from here, but keep the layering one way
-    from .grads.grad_shard import GradShard
+
+@runtime_checkable
+class GradLifeCycle(Protocol):
+    """What is seen of a unit's gradient life cycle (grads/grad_shard.py) from outside its stage: where its
+    reduced shard's deliveries also go, chosen once when the engine is composed (engine/grad_path.py)."""
+
+    def deliver_to(self, destination: GradDestination) -> None: ...
 
 
 @runtime_checkable
@@ -44,7 +50,7 @@ class ShardedUnit(Protocol):
     group_index: int            # the user's optimizer group (-1: frozen)
     layout: FlatLayout
     shard_index: int            # which of layout.num_shards slices this rank holds
-    grads: GradShard            # its gradient life cycle (a host step observes its deliveries: step_plan.py)
+    grads: GradLifeCycle        # its gradient life cycle (ZeRO-Offload: delivers into host staging, grad_path.py)
 
     # this rank's parameter slice (the model computes on it); storage only inside resident() if param_offloaded
     @property

@@ -9,6 +9,7 @@ to the reduced shard the optimizer reads (IDLE, FILLING, REDUCING, REDUCED), ove
                         ends a backward (stage 0-2 buckets and stage-3 units alike)
 
     bucket_intake.py  A bucket's gradients taken in with one hook, not one per parameter: `BucketIntake` (stages ...
+    grad_destination.py  GradDestination: where a shard's deliveries also go (ZeRO-Offload's host staging)
     grad_state.py     The states of one gradient shard's life cycle (`grads.grad_shard.GradShard`) and the ...
     param_hook.py     The post-accumulate-grad hook of one parameter of a `grads.grad_shard.GradShard`: `param_hook`.
 """

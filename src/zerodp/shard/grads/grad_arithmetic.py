@@ -1,4 +1,5 @@
-"""The arithmetic of one gradient reduction: `GradArithmetic` (dtypes and scale factors, the same at every stage).
+"""The arithmetic of one gradient reduction: `GradArithmetic` (dtypes and scale factors, the same at every stage),
+and, for stages 0-2, the collective that sums it: `GradCollective` (passed down to the gradient shard).
 
 DeepSpeed's four keys, read as zerodp applies them to a flat gradient buffer `g` of one rank:
 
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from ... import comm
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,25 @@ class GradArithmetic:
             # what a single process computes on the global batch (tests/dist/test_ddp_bitwise.py).
             summed.div_(self.post_divisor)
         return summed
+
+
+class GradCollective:
+    """Which collective sums a stage 0-2 bucket's flat gradient buffer over `group`, chosen once from the stage's
+    policy (stage12/buckets.py `ReducePolicy`) and passed down to its gradient shard as the `reduce` it calls
+    (grad_shard.py `ReduceFn`): the shard calls the collective, nothing calls back up into the bucket.
+
+        scatter=False   all-reduce the whole buffer in place (stage 0: every rank keeps all of it)
+        scatter=True    reduce-scatter: this rank's slice of the sum lands in `output` (stages 1-2);
+                        `use_all_reduce`: through an all-reduce (DeepSpeed's reduce_scatter=false)
+    """
+
+    def __init__(self, group: comm.ProcessGroup, scatter: bool, use_all_reduce: bool = False) -> None:
+        self.group = group
+        self.scatter = scatter
+        self.use_all_reduce = use_all_reduce
+
+    def __call__(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> comm.Handle:
+        if not self.scatter:
+            return comm.all_reduce(full, self.group, async_op=async_op, tag="grad")
+        return comm.reduce_scatter(output, full, self.group, async_op=async_op, use_all_reduce=self.use_all_reduce,
+                                   tag="grad")

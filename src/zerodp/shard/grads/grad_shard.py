@@ -24,7 +24,9 @@ rank's gradient shard. With `home` (an offload.ShardStore: stage 3, fp32, offloa
 shard lives there between deliveries and the optimizer step (`offloaded`): its storage exists only
 inside `resident()`, and `shard_square_norm()` answers from the square norm kept at the last
 delivery, so the step need not read every shard twice ([Note: gradient shards offloaded] in
-offload/shard_store.py). Without a home both are trivial; callers never ask which.
+offload/shard_store.py). Without a home both are trivial; callers never ask which. Under ZeRO-Offload on a
+GPU the shard's `destination` (chosen once by the engine's composition, engine/grad_path.py) is told around
+every delivery and queues the host step's copy (grads/grad_destination.py): the optimizer registers nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ...host_memory import alloc_storage, free_storage
 from ..flat.buffer import FlatBuffer
 from ..flat.layout import FlatLayout
 from .grad_arithmetic import GradArithmetic
+from .grad_destination import GradDestination
 from .grad_state import ALLOWED as _ALLOWED, GradState
 from .split_reduce import SplitReduce
 
@@ -47,11 +50,11 @@ ReduceFn = Callable[[torch.Tensor, torch.Tensor, bool], comm.Handle]
 
 
 class PendingReduce(NamedTuple):
-    """A launched reduction: its handle and the buffer it sums (the full buffer, or its copy in the
+    """A launched reduction: its handle and the flat tensor it sums (the full buffer's, or its copy in the
     communication dtype, which must live until the handle is waited on)."""
 
     handle: comm.Handle
-    sent: FlatBuffer
+    sent: torch.Tensor
 
 
 class GradShard:
@@ -85,6 +88,11 @@ class GradShard:
         # None: every element holds a value (the persistent buffer, or after `_fill_unwritten`)
         self._written: Optional[bytearray] = None
         self.full = FlatBuffer(layout, accum_dtype if keep_full else self.comm_dtype, first.device)
+        # The layout's facts a round reads, taken once: the backward then calls nothing in flat/ per round
+        # (bench/results/host_profile.md: a Python call costs about a microsecond on this path)
+        self._shard_range = layout.shard_range(shard_index)   # this rank's [lo, hi) of the flat buffer
+        self._padded_numel = layout.padded_numel
+        self._padding = tuple(layout.padding_ranges())        # elements of no parameter, zeroed before a reduction
         # per parameter, made now while the storage exists (none can be made over a freed one): aliases, not views,
         # so that each has a version counter of its own (flat/buffer.py FlatBuffer.aliases)
         self.views = self.full.aliases()
@@ -166,16 +174,16 @@ class GradShard:
         shard = 0 if self.keep_full else self.shard.numel() * self.shard.element_size()
         if self.home is not None:
             shard -= self.home.offloaded_bytes(self.shard)
-        return self.full.nbytes + shard
+        return storage_nbytes(self.full.tensor) + shard
 
     def _ensure_full(self) -> bool:
         """Give the per-round full buffer memory; True when it was allocated now. Zeroed only for grad views:
         otherwise each parameter's first gradient is copied in (`add_grad`) and only what no gradient wrote is
         zeroed before the buffer is read (`_fill_unwritten`), which saves a pass over a unit's gradient bytes
         per micro-step (1.35 s of a 500m-proxy step's 11.2 s backward, bench/results/big_offload_step.md)."""
-        if self.keep_full or self.full.nbytes != 0:
+        if self.keep_full or storage_nbytes(self.full.tensor) != 0:
             return False
-        alloc_storage(self.full.tensor, self.layout.padded_numel)
+        alloc_storage(self.full.tensor, self._padded_numel)
         if self.grad_views:
             self.full.tensor.zero_()
             self._written = None
@@ -190,7 +198,9 @@ class GradShard:
         for view, written in zip(self.views, self._written):
             if not written:
                 view.zero_()
-        self.full.zero_padding()
+        full = self.full.tensor
+        for lo, hi in self._padding:  # FlatBuffer.zero_padding's ranges, taken once at construction
+            full[lo:hi].zero_()
         self._written = None
 
     def _open_round(self) -> None:
@@ -261,7 +271,7 @@ class GradShard:
         """Each parameter without a .grad gets its view of the full buffer as .grad ([Note: gradients as buffer
         views]): before a backward where the buffer persists, when a round's first gradient allocates it
         otherwise; nothing where the buffer cannot be one, is being reduced or has no memory."""
-        if self.grad_views and self.state is not GradState.REDUCING and self.full.nbytes:
+        if self.grad_views and self.state is not GradState.REDUCING and storage_nbytes(self.full.tensor):
             for p, view in zip(self.params, self.views):
                 if p.grad is None:
                     p.grad = view
@@ -280,47 +290,51 @@ class GradShard:
             self._open_round()  # another rank needs a further round; ours adds nothing new
         self._ensure_full()  # a rank without gradients takes part with zeros
         self._fill_unwritten()
+        lo, hi = self._shard_range
         if self.split is not None:  # the low-dtype part first: split() zeroes it in the full buffer
-            low = FlatBuffer(self.layout, self.split.low_dtype, self.full.tensor.device,
-                             self.arithmetic.to_send(self.split.split(self.full.tensor), self.split.low_dtype))
-            self._pending_low = PendingReduce(self._reduce(low.shard(self.shard_index), low.tensor, async_op), low)
-        send = self.arithmetic.to_send(self.full.tensor, self.comm_dtype)
-        sent = self.full if send is self.full.tensor else FlatBuffer(self.layout, send.dtype, send.device, send)
-        self._pending = PendingReduce(self._reduce(sent.shard(self.shard_index), sent.tensor, async_op), sent)
+            low = self.arithmetic.to_send(self.split.split(self.full.tensor), self.split.low_dtype)
+            self._pending_low = PendingReduce(self._reduce(low[lo:hi], low, async_op), low)
+        send = self.arithmetic.to_send(self.full.tensor, self.comm_dtype)  # the full buffer itself, or a copy
+        self._pending = PendingReduce(self._reduce(send[lo:hi], send, async_op), send)
         self.rounds_launched += 1
         self._to(GradState.REDUCING)
 
     def wait(self) -> None:
         """Finish the reduction in flight, if any: average over ranks into `shard`."""
-        # any write of `shard` after a delivery follows a wait(): observers order it after their reads of it
-        for observer in self._observers:
-            observer.before_write(self.shard)
+        # any write of `shard` after a delivery follows a wait(): the destination orders it after its reads of it
+        if self.destination is not None:
+            self.destination.before_write(self.shard)
         if self.state is not GradState.REDUCING:
             return
         pending, self._pending = self._pending, None
         pending.handle.wait()
         # Sum across ranks, then divide (by default): exact for two ranks in fp32, and what a single
         # process computes on the global batch up to summation order.
-        reduced = self.arithmetic.finish(pending.sent.shard(self.shard_index))
+        lo, hi = self._shard_range
+        reduced = self.arithmetic.finish(pending.sent[lo:hi])
         if self.split is not None:
             low, self._pending_low = self._pending_low, None
             low.handle.wait()
-            reduced = self.split.merge(reduced, self.arithmetic.finish(low.sent.shard(self.shard_index)),
-                                       self.layout.shard_range(self.shard_index))
-        if self.keep_full and pending.sent is not self.full:
+            reduced = self.split.merge(reduced, self.arithmetic.finish(low.sent[lo:hi]), self._shard_range)
+        if self.keep_full and pending.sent is not self.full.tensor:
             reduced = self.shard.copy_(reduced)  # reduced in the communication dtype; the copy is dropped
         elif not self.keep_full:
             reduced = reduced.to(self.shard.dtype)  # cast first, then add: DeepSpeed's order of roundings
         self._deliver(reduced)
         self._to(GradState.REDUCED)
 
-    _observers: tuple = ()  # told around each delivery (optim/grad_staging.py: ZeRO-Offload's host copy)
+    destination: Optional[GradDestination] = None  # told around each delivery (grads/grad_destination.py)
 
-    def observe_deliveries(self, observer) -> None:
-        """Call `observer.before_write(shard)` at every `wait()` (before anything may write `shard` again) and
-        `observer.after_write(shard)` after every delivery of a reduced slice into it (for a shard without a
-        `home`: one with a home is read where it rests)."""
-        self._observers = self._observers + (observer,)
+    def deliver_to(self, destination: GradDestination) -> None:
+        """Choose, once and before any backward, where this shard's deliveries also go (grads/grad_destination.py:
+        ZeRO-Offload's host staging): `destination.before_write(shard)` at every `wait()` (before anything may write
+        `shard` again), `destination.after_write(shard)` after every delivery of a reduced slice into it."""
+        if self.destination is not None:
+            raise AssertionError(f"gradient shard {self.name or '?'}: its destination is chosen once")
+        if self.home is not None:
+            raise AssertionError(f"gradient shard {self.name or '?'} rests in an offload store: it is read where it "
+                                 f"rests, not copied at its deliveries")
+        self.destination = destination
 
     def _deliver(self, reduced: torch.Tensor) -> None:
         """Put a reduced slice into this rank's shard; see [Note: reduced shard destination]."""
@@ -335,8 +349,8 @@ class GradShard:
         elif self._stash is not None:
             reduced.add_(self._stash)  # reduced is `shard` itself
             self._stash = None
-        for observer in self._observers:
-            observer.after_write(self.shard)
+        if self.destination is not None:
+            self.destination.after_write(self.shard)
 
     def after_raised_backward(self) -> None:
         """The last backward raised after this shard's round launched: finish the reduction in flight and keep its
@@ -381,6 +395,11 @@ class GradShard:
         self.rounds_launched = 0
         self._stash = None
         self.state = GradState.IDLE  # from any state: nothing is in flight after wait()
+
+
+def storage_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes allocated behind `tensor` now (0: freed by `free_storage`); FlatBuffer.nbytes without a call into it."""
+    return tensor.untyped_storage().size()
 
 
 def square_norm(grad: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from ... import comm
 from ..flat.buffer import FlatBuffer
-from ..grads.grad_arithmetic import GradArithmetic
+from ..grads.grad_arithmetic import GradArithmetic, GradCollective
 from ..grads.grad_shard import GradShard
 from ..flat.whole_tensor_layout import layout_of
 
@@ -73,15 +73,12 @@ class GradBucket:
             p.data = view  # the module now computes on the flat buffer; no copy at step time
         # Stages 0-1 keep the full gradient buffer across micro-steps; stage 2 only while reducing (`round_views`:
         # autograd adds into views of it, see [Note: gradients as buffer views]).
+        # the stage's collective is passed down with the arithmetic: the shard calls comm, not back into the bucket
+        collective = GradCollective(process_group, scatter=policy.shard_optimizer,
+                                    use_all_reduce=policy.use_all_reduce)
         self.grads = GradShard(params, self.layout, self.shard_index, arithmetic or GradArithmetic(world),
-                               self._reduce, keep_full=not policy.shard_grads, name=f"bucket of group {group_index}",
+                               collective, keep_full=not policy.shard_grads, name=f"bucket of group {group_index}",
                                round_views=round_views)
-
-    def _reduce(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> comm.Handle:
-        if not self.policy.shard_optimizer:
-            return comm.all_reduce(full, self.process_group, async_op=async_op, tag="grad")
-        return comm.reduce_scatter(output, full, self.process_group, async_op=async_op,
-                                   use_all_reduce=self.policy.use_all_reduce, tag="grad")
 
     @property
     def param_shard(self) -> torch.Tensor:
