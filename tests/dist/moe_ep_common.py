@@ -18,6 +18,7 @@ from torch import nn
 import zerodp
 from zerodp.moe import MoE
 from tests.dist.common import IN, OUT, make_optimizer, micro_batch
+from tests.oracle import train_reference
 
 HID = 10
 NUM_EXPERTS = 8
@@ -91,20 +92,21 @@ def loss_of(model, x, y):
 def reference_run(steps: int, world: int, micro_bs: int, gas: int, clip: float, **moe_options):
     """Losses, final parameters, per step the experts that got no gradient (module docstring), and per step the
     gradient norm before clipping."""
-    model = full_model(**moe_options)
-    opt = make_optimizer("adamw", model)
-    losses, unused, norms = [], [], []
-    for step in range(steps):
+    unused = []
+
+    def step_loss(model, step: int) -> torch.Tensor:
         chunks = [loss_of(model, *micro_batch(step, micro, rank, world, micro_bs, gas))
                   for micro in range(gas) for rank in range(world)]
-        total = torch.stack(chunks).mean()
-        total.backward()
+        return torch.stack(chunks).mean()
+
+    def note_unused(model, step: int) -> None:
         unused.append([g for g, e in enumerate(model.moe.moe.experts) if e.w1.weight.grad is None])
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, unused, norms
+
+    model = full_model(**moe_options)
+    # clip inf when not clipping: the norm is still recorded, nothing is scaled
+    ref = train_reference(model, make_optimizer("adamw", model), steps, step_loss, clip=clip or float("inf"),
+                          after_backward=note_unused)
+    return ref.losses, ref.params, unused, ref.grad_norms
 
 
 def zerodp_run(config: dict, ep_size: int, steps: int, micro_bs: int, **moe_options):

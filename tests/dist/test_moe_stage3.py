@@ -20,6 +20,7 @@ import zerodp
 from tests.dist import harness
 from tests.dist.common import assert_adam_params_close, assert_matches_reference
 from tests.dist.moe_common import IN, OUT, WIDTH, Expert, make_moe, moe_batch
+from tests.oracle import train_reference
 
 STEPS, ROWS_PER_RANK, LR = 5, 2, 1e-3
 
@@ -38,18 +39,18 @@ def _optimizer(name: str, model: nn.Module):
 
 
 def _reference(world: int, opt_name: str):
-    model = make_moe()
-    opt = _optimizer(opt_name, model)
-    losses, used = [], []
-    for step in range(STEPS):
+    used = []
+
+    def step_loss(model, step: int) -> torch.Tensor:
         x, y = moe_batch(step, ROWS_PER_RANK * world)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        used.append(model.used_experts())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, used
+        return F.mse_loss(model(x), y)
+
+    def note_used(model, step: int) -> None:
+        used.append(model.used_experts())  # read after the step in the loop this replaces: the forward set it
+
+    model = make_moe()
+    ref = train_reference(model, _optimizer(opt_name, model), STEPS, step_loss, after_backward=note_used)
+    return ref.losses, ref.params, used
 
 
 def _zerodp_default_stage3(opt_name: str):
