@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp.deepspeed as deepspeed
+from tests.oracle import train_reference
 
 GAS, STEPS, LR = 2, 4, 0.05
 TOL = {"rtol": 1e-6, "atol": 1e-7}
@@ -46,16 +47,19 @@ def _reference(schedule=None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     sched = schedule(opt) if schedule else None
     norms, lrs = [], []
-    for step in range(STEPS):
-        for micro in range(GAS):
-            x, y = _batch(step, micro)
-            (F.mse_loss(model(x), y) / GAS).backward()
+
+    def step_schedule(model, opt, step: int) -> None:
+        if sched and step:
+            sched.step()  # after each step taken, as the engine steps it
+
+    def record(model, step: int) -> None:
         norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        opt.zero_grad()
-        if sched:
-            sched.step()
+
+    def micro_loss(model, step: int, micro: int) -> torch.Tensor:
+        return F.mse_loss(model(_batch(step, micro)[0]), _batch(step, micro)[1])
+
+    train_reference(model, opt, STEPS, micro_loss, accumulation=GAS, before_step=step_schedule, after_backward=record)
     return {"norms": norms, "lrs": lrs, "params": [p.detach().clone() for p in model.parameters()]}
 
 
