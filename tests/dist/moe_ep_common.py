@@ -111,22 +111,12 @@ def reference_run(steps: int, world: int, micro_bs: int, gas: int, clip: float, 
 
 def zerodp_run(config: dict, ep_size: int, steps: int, micro_bs: int, **moe_options):
     """This rank's global-mean losses and its parameters under the single-process model's names."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     ep_rank = rank % ep_size  # consecutive expert-parallel groups: {0..P-1}, {P..2P-1}, ...
     model = ep_model(ep_size, ep_rank, **moe_options)
     engine = zerodp.initialize(model, make_optimizer("adamw", model), config)
     try:
-        gas = engine.gradient_accumulation_steps
-        losses = []
-        for step in range(steps):
-            total = torch.zeros(1)
-            for micro in range(gas):
-                loss = loss_of(engine, *micro_batch(step, micro, rank, world, micro_bs, gas))
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(total.item() / (world * gas))
+        losses = train(engine, 0, steps, micro_bs)
         num_local = NUM_EXPERTS // ep_size
         with zerodp.gathered_parameters(model.parameters()):  # stage 3: full values; other stages: as they are
             params = {expert_key(k, ep_rank, num_local): v.detach().clone() for k, v in model.state_dict().items()}
