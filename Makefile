@@ -41,8 +41,8 @@ test: setup
 	cpu=$$?; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE $(call LOG_DURATIONS,test-gpu) -m "not slow" tests/gpu; gpu=$$?; \
 	test $$cpu -eq 0 -a $$gpu -eq 0
 
-# The long end-to-end runs `make test` leaves out to stay within 15 minutes on 2 cores (marked `slow`): a resume
-# at other world sizes (also covered by tests/e2e/test_multinode.py) and `zerodp train` resuming an offloaded run.
+# The long end-to-end runs `make test` leaves out to stay within 15 minutes on 2 cores (marked `slow`; README's
+# "Two commands" lists them). Every slow test lives in tests/e2e.
 test-slow: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rfE $(call LOG_DURATIONS,test-slow) -m slow tests/e2e
 

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the harness's own runs (26 s): `make test-slow`, so `make test` keeps within 15 minutes
 @pytest.mark.timeout(300)
 def test_bench_reports_identical_losses_to_ddp(tmp_path):
     results = tmp_path / "RESULTS.md"
@@ -27,6 +28,7 @@ def test_bench_reports_identical_losses_to_ddp(tmp_path):
     assert (tmp_path / "runs" / "chart.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # as above (10 s)
 @pytest.mark.timeout(300)
 def test_interleaved_bench_steps_every_strategy_in_one_process_pair(tmp_path):
     results = tmp_path / "RESULTS.md"
