@@ -22,6 +22,9 @@ Subprocess workers that cannot import this module (scripts run by torchrun or by
 line: tests/e2e/*_job.py, tests/e2e/deepspeed_scripts/, tests/hf/*_worker.py, tests/gpu/cuda_scripts.py) keep
 their own loop, written as a user would, and compare with a reference computed here in the test process.
 `tests/dist/test_larc_formula.py` keeps its own step on purpose: it is LARC's formula written independently.
+Still written apart, to be moved here: tests/dist/test_stage3_parity.py (its per-rank BatchNorm reference),
+tests/dist/test_bucket_intake.py and test_grad_hygiene.py (references through a raise and a stray backward),
+and the single-process unit references of tests/unit (optim/test_step_counts.py, adapters/test_deepspeed_*).
 """
 
 from __future__ import annotations
