@@ -126,8 +126,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--results", default=str(ROOT / "bench/results/moe_ep_vs_stage3.md"))
+    parser.add_argument("--only", choices=["stage3", "ep2"], help="one engine alone (diagnosis; writes no results)")
     args = parser.parse_args()
-    engines = {name: engine_for(name, 0) for name in ("stage3", "ep2")}
+    engines = {name: engine_for(name, 0) for name in ("stage3", "ep2") if args.only in (None, name)}
     rank, world = dist.get_rank(), dist.get_world_size()
     times: dict[str, list[float]] = {name: [] for name in engines}
     moved: dict[str, Bytes] = {}
@@ -147,7 +148,7 @@ def main() -> None:
                 moved[name] = counter
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's step
             times[name].append(elapsed.item())
-    if rank == 0:
+    if rank == 0 and args.only is None:
         timed = range(args.steps // 3, args.steps)
         ratios = [times["ep2"][i] / times["stage3"][i] for i in timed]
         lines = ["# Expert parallelism against stage 3 on the same MoE", "",
