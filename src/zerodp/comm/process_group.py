@@ -121,6 +121,7 @@ def destroy_distributed() -> None:
     if is_initialized():
         dist.destroy_process_group()
     _created_group = None
+    topology.forget_hosts()  # learned under the group just destroyed
 
 
 def new_group_like(group: ProcessGroup = None) -> ProcessGroup:

@@ -64,8 +64,10 @@ def host_name() -> str:
 
 
 class _Hosts(NamedTuple):
-    """Global rank -> host, learned under one default group (a new default group forgets it)."""
-    world: object
+    """Global rank -> host, learned under one default group (a new default group forgets it). `world` is the
+    default group's id(), not the group: a module global holding the group would keep it alive past its destroy,
+    and gloo aborts at interpreter exit when a group outlives its owner (tests/e2e/teardown_check.py)."""
+    world: int
     of_rank: dict
     version: int
 
@@ -84,9 +86,9 @@ def learn_hosts(group=None) -> NodeLayout:
     names: list = [None] * _world(group)
     dist.all_gather_object(names, host_name(), group=group)  # note: a sync point, once per group creation / engine
     ranks = _ranks(group)
-    known = dict(_hosts.of_rank) if _hosts is not None and _hosts.world is dist.group.WORLD else {}
+    known = dict(_hosts.of_rank) if _hosts is not None and _hosts.world == id(dist.group.WORLD) else {}
     known.update(zip(ranks, names))
-    _hosts = _Hosts(dist.group.WORLD, known, (_hosts.version + 1) if _hosts is not None else 1)
+    _hosts = _Hosts(id(dist.group.WORLD), known, (_hosts.version + 1) if _hosts is not None else 1)
     layout = _from_hosts(names)
     if dist.get_rank(group) == 0:
         _report_disagreement(layout, names, read_hints(), whole_world=len(ranks) == dist.get_world_size())
@@ -113,7 +115,7 @@ def _ranks(group) -> list[int]:
 
 def _known_hosts(group) -> Optional[list]:
     """The hosts of `group`'s ranks in group order, if all were learned under the live default group."""
-    if _hosts is None or _hosts.world is not dist.group.WORLD:
+    if _hosts is None or _hosts.world != id(dist.group.WORLD):
         return None
     names = [_hosts.of_rank.get(r) for r in _ranks(group)]
     return None if None in names else names
@@ -182,7 +184,7 @@ def crosses_nodes(group=None) -> bool:
     if not _initialized() or _world(group) == 1:
         return False
     name = "world" if group is None else str(getattr(group, "group_name", id(group)))
-    learned = _hosts is not None and _hosts.world is dist.group.WORLD
+    learned = _hosts is not None and _hosts.world == id(dist.group.WORLD)
     key = (name, ("hosts", _hosts.version) if learned else ("hints", node_layout().ranks_per_node))
     if key not in _spans:
         names = _known_hosts(group) if learned else None
