@@ -172,3 +172,63 @@ def test_without_the_check_the_same_gathers_mix_weights_silently():
     for rank, (errors, mixed) in enumerate(harness.run(2, _forced_mismatch, False)):
         assert errors == [], f"rank {rank}: {errors}"
         assert mixed == [True, True], f"rank {rank}: a forward used its own expert's weights: nothing was mixed"
+
+
+# -- a unit complete in backward on one rank and not on another (issue 42's stage-3 hang) --------------------
+
+UNEVEN_STEPS, UNEVEN_ROWS = 3, 16
+
+
+def _uneven_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0's rows are diverse (every expert gets a token), rank 1's are one row repeated (two experts do):
+    each block's unit is complete on rank 0 as its backward runs and incomplete on rank 1 until backward ends."""
+    x, y = moe_batch(step, 2 * UNEVEN_ROWS)
+    x[UNEVEN_ROWS:] = x[UNEVEN_ROWS]
+    return x, y
+
+
+def _uneven_reference():
+    model = make_moe()
+    ref = train_reference(model, torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9), UNEVEN_STEPS,
+                          lambda m, step: F.mse_loss(m(_uneven_batch(step)[0]), _uneven_batch(step)[1]))
+    return ref.losses, ref.params
+
+
+def _zerodp_uneven(overlap_comm: bool):
+    rank = dist.get_rank()
+    model = make_moe()
+    # a short collective timeout: the hang this guards against is then a watchdog error naming the collectives,
+    # seconds in, rather than a test that never ends
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9),
+                               {"zero_optimization": {"stage": 3, "overlap_comm": overlap_comm},
+                                "comm_timeout_s": 30})
+    losses, used = [], []
+    for step in range(UNEVEN_STEPS):
+        x, y = _uneven_batch(step)
+        rows = slice(rank * UNEVEN_ROWS, (rank + 1) * UNEVEN_ROWS)
+        loss = F.mse_loss(engine(x[rows]), y[rows])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / 2)
+        used.append(model.used_experts())
+    with zerodp.gathered_parameters(model.parameters()):
+        params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine.close()
+    return losses, params, used
+
+
+@pytest.mark.parametrize("overlap_comm", [False, True])
+def test_a_unit_complete_on_one_rank_only_reduces_without_waiting_on_the_other(overlap_comm):
+    """Rank 0 completes each block's unit during backward and used to wait on its reduction there (at once with
+    overlap_comm false, after two with true), while rank 1, where an expert got no token, launched it only after
+    the end-of-backward control collective: a hang (reduce_queue.py, [Note: waiting before the control
+    collective]). Now rank 1 launches it when the block's backward ends, and the result is the reference's."""
+    ref_losses, ref_params = _uneven_reference()
+    results = harness.run(2, _zerodp_uneven, overlap_comm)
+    (_, _, used0), (_, _, used1) = results
+    assert all(len(layer) == 8 for step in used0 for layer in step), f"rank 0 left an expert unused: {used0}"
+    assert all(len(layer) < 8 for step in used1 for layer in step), f"rank 1 used every expert: {used1}"
+    for rank, (losses, params, _) in enumerate(results):
+        assert_matches_reference(rank, losses, params, ref_losses, ref_params, "experts unused on rank 1 only")

@@ -158,6 +158,19 @@ class GradShard:
         (grads/bucket_intake.py); a gradient still to come is a late one, taken in by another round."""
         self._closed = True
 
+    def end_of_backward(self) -> None:
+        """The backward of the module that owns these parameters is over on this rank (stage 3's module unit,
+        seen by its inputs hook: shard/stage3/module_unit.py): what did not report has no gradient here and
+        takes part with zeros, so that every rank launches this round at the same point of its backward
+        ([Note: waiting before the control collective] in grads/reduce_queue.py). A round already launched is
+        left alone; a gradient still to come is a late one, taken in by another round."""
+        if self.rounds_launched:
+            return
+        if self.state is GradState.IDLE:  # no gradient at all on this rank: a round of zeros
+            self._ensure_full()
+            self._to(GradState.FILLING)
+        self._closed = True
+
     @property
     def received(self) -> torch.Tensor:
         """Per parameter (bool): got a gradient since the last optimizer step (or zero_grad)."""

@@ -23,6 +23,18 @@ Policy (`reduce_all`): stages 0-2 reduce every bucket at every reducing micro-st
 as DDP does, so their remaining buckets are launched before the control collective; stage 3 skips
 a unit that no rank touched, so it agrees first and launches after.
 
+[Note: waiting before the control collective] Bounding the reductions in flight (`max_inflight`) means
+waiting on the oldest one inside backward. That wait finishes only when every other rank has launched
+the same reduction. At stages 0-2 every rank launches every bucket before the control collective, so it
+does. At stage 3 a rank launches a unit after the control collective when the unit was not complete
+there in backward (a Mixture-of-Experts rank whose batch sent no token to one of the unit's experts),
+while another rank, where the same unit was complete, waited on it in backward: each waited on the
+other (issue 42's hang at step 6). So stage 3 says per shard whether every rank is bound to launch it
+during backward (`launched_in_backward_everywhere`: its module unit's backward end is seen by an inputs
+hook on every rank, and there its round is closed, shard/stage3/module_unit.py), and the queue waits
+before the control collective only on such shards; past one it may not wait on, it launches nothing
+more until `finish` (the collectives' order is kept; memory is bounded by the units held, not by the bound).
+
 [Note: the control collective's one read] The agreement has to reach the host (the round loop below
 is Python), so with NCCL it is a device sync: the host waits for the whole backward queued so far.
 It is read once (`tolist`), rounds and received flags together (the flags were a second read,
@@ -40,7 +52,7 @@ local counts are the answer, and no tensor is built, sent or read.
 from __future__ import annotations
 
 import collections
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -76,12 +88,15 @@ class ReduceQueue:
     """Launches the reductions of `GradShard`s in one order on every rank (module docstring)."""
 
     def __init__(self, process_group: comm.ProcessGroup, device: torch.device, *, async_op: bool,
-                 max_inflight: Optional[int], reduce_all: bool) -> None:
+                 max_inflight: Optional[int], reduce_all: bool,
+                 launched_in_backward_everywhere: Optional[Callable[[GradShard], bool]] = None) -> None:
         self.process_group = process_group
         self.device = control_device(process_group, device)  # the control collective's (NCCL alone: CUDA)
         self.async_op = async_op
         self.max_inflight = max_inflight  # None: unbounded; 0: wait for each at once
         self.reduce_all = reduce_all
+        # None: every shard may be waited on in backward (stages 0-2); see [Note: waiting before the control collective]
+        self.launched_in_backward_everywhere = launched_in_backward_everywhere
         self.order: list[GradShard] = []
         self._next = 0
         self._inflight: collections.deque[GradShard] = collections.deque()
@@ -95,19 +110,36 @@ class ReduceQueue:
             g.start_micro_step()
 
     def _launch(self, g: GradShard) -> None:
+        """Launch `g` after the control collective (or at stages 0-2), keeping at most `max_inflight` in flight."""
         g.launch(self.async_op)
         self._inflight.append(g)
         while self.max_inflight is not None and len(self._inflight) > self.max_inflight:
             self._inflight.popleft().wait()
+
+    def _settle_in_backward(self) -> bool:
+        """Wait for the oldest reductions until at most `max_inflight` are in flight, but only on shards every rank
+        launches in backward; False when that leaves more in flight ([Note: waiting before the control collective])."""
+        if self.max_inflight is None:
+            return True
+        everywhere = self.launched_in_backward_everywhere
+        while len(self._inflight) > self.max_inflight:
+            if everywhere is not None and not everywhere(self._inflight[0]):
+                return False  # and nothing after it either: a peer launches the later ones after it
+            self._inflight.popleft().wait()
+        return True
 
     def launch_ready(self) -> None:
         """Launch, in order, every shard whose gradients are all in (stops at the first that is not)."""
         while self._next < len(self.order):
             g = self.order[self._next]
             if not (g.complete and g.state is GradState.FILLING and g.rounds_launched == 0):
-                return
-            self._launch(g)
+                break
+            if not self._settle_in_backward():
+                return  # held until `finish`, in order
+            g.launch(self.async_op)
+            self._inflight.append(g)
             self._next += 1
+        self._settle_in_backward()
 
     def finish(self, boundary: bool, units: list[GradShard],
                agreement: Optional[Agreement] = None) -> Optional[torch.Tensor]:

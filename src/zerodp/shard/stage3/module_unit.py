@@ -29,13 +29,19 @@ module to modify its input in place). Three cases have no usable inputs hook:
 - a forward with no input that requires grad (the root's token ids, the block after a frozen
   embedding): `untracked`, released when the backward ends (finish_micro_step);
 - re-entrant activation checkpointing: the first forward ran under no_grad (nothing to track),
-  the recomputation runs inside backward; then the unit is released once every trainable
+  the recomputation runs inside backward with inputs of its own (detached, requiring grad), and
+  those are watched instead: the recomputed call's backward (run by the checkpoint's backward) ends
+  when their gradients are in. If none requires grad, the unit is released once every trainable
   parameter it gathers has received its gradient, or at the end of backward if it gathers frozen ones;
 - non-re-entrant checkpointing: the original forward's hook is in the graph and fires after the
   recomputed nodes ran; the recomputation itself (a forward during backward) only converts its
   acquire into the backward hold, and watches nothing (its graph is never run).
-Gradients never wait for any of this: they are reduced when each flat unit is complete (see
-strategy.py). Releasing too early would raise a storage error, never give a wrong value.
+Gradients do not wait for any of this: a flat unit is reduced as soon as it is complete (see
+strategy.py). But where the inputs hook sees the end of a call's backward, the unit's own flat units
+end their round there too (`GradShard.end_of_backward`): a parameter that got no gradient on this rank
+(an expert no token reached) is zero here, and every rank launches the reduction at the same point of
+its backward ([Note: waiting before the control collective] in grads/reduce_queue.py).
+Releasing too early would raise a storage error, never give a wrong value.
 
 [Note: external parameters]
 A parent's forward may read a parameter of a child unit directly, e.g. `F.linear(h,
@@ -96,6 +102,8 @@ class ModuleUnit:
         self.pending_post_backward = 0
         self.tracked_calls = 0
         self.untracked = False
+        self.watched_forward = False        # a grad-enabled forward outside backward was watched this pass
+        self.reductions = None              # the strategy's ReduceQueue: told when this unit's backward ends
         self._handles = []
 
     def _to(self, state: TrainingState) -> None:
@@ -161,6 +169,7 @@ class ModuleUnit:
         self.pending_post_backward = 0
         self.tracked_calls = 0
         self.untracked = False
+        self.watched_forward = False
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -178,11 +187,22 @@ class ModuleUnit:
         s.prefetch_after(self)
         if torch.is_grad_enabled() and not s.in_backward:
             self._watch_inputs(args, kwargs)
+        elif torch.is_grad_enabled() and not self.watched_forward and not self.untracked:
+            # a re-entrant recomputation (the first forward ran under no_grad: nothing watched it); a
+            # non-re-entrant one was watched in its first forward and its own graph never runs
+            self._watch_inputs(args, kwargs, recomputed=True)
 
-    def _watch_inputs(self, args, kwargs) -> None:
+    @property
+    def backward_end_seen(self) -> bool:
+        """This pass's backward of the unit ends at an inputs hook, on every rank alike (module docstring)."""
+        return self.tracked_calls > 0 and not self.untracked
+
+    def _watch_inputs(self, args, kwargs, recomputed: bool = False) -> None:
+        self.watched_forward = self.watched_forward or not recomputed
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not inputs:
-            self.untracked = True
+            if not recomputed:  # a recomputation without such inputs falls back to on_gradients_complete
+                self.untracked = True
             return
         handle = None
 
@@ -253,6 +273,11 @@ class ModuleUnit:
         self.pending_post_backward -= 1
         if self.pending_post_backward <= 0 and not self.untracked:
             self.release_backward_hold()
+            for f in self.flats:
+                if f.trainable:
+                    f.grads.end_of_backward()
+            if self.reductions is not None:
+                self.reductions.launch_ready()
 
     def on_gradients_complete(self) -> None:
         """A flat unit got all its gradients: release here if no inputs hook can (re-entrant recompute)."""

@@ -24,8 +24,11 @@ small control all-reduce (`grads.reduce_queue.ReduceQueue.finish`) tells
 every rank how many rounds each unit needs (a "late" gradient after a unit's launch, as in a
 weight used by two re-entrant checkpointed regions, needs a second round). It launches round
 by round, in unit order, so the sequence of reductions is the same on every rank whatever each
-rank launched early. At most `grads.reduce_queue.MAX_INFLIGHT` reductions are in flight (none with overlap_comm=false:
-each is waited on as soon as it is launched); a full gradient buffer
+rank launched early. A unit also ends its round when its module unit's backward ends (every rank alike:
+module_unit.py), parameters with no gradient on this rank reduced as zeros. At most
+`grads.reduce_queue.MAX_INFLIGHT` reductions are in flight (none with overlap_comm=false: each is waited on as
+soon as it is launched), and only reductions every rank launches in backward are waited on there ([Note: waiting
+before the control collective] in grads/reduce_queue.py); a full gradient buffer
 exists from a unit's first gradient of the micro-step until its reduction is waited on, so a unit
 that never completes (a parameter unused in this micro-step) delays the units after it to the end
 and keeps their buffers until then: correct, with less overlap and more memory.
@@ -87,9 +90,13 @@ class Stage3Sharding:
         self.schedule = schedule
         self.serial = next(_serial)
         device = shards.device
-        self.queue = ReduceQueue(shards.control_group, device, async_op=True, max_inflight=self.max_inflight,
-                                 reduce_all=False)
         self._owner = {id(f): mu for mu in module_units for f in mu.flats}  # flat unit -> its module unit
+        grad_owner = {id(f.grads): mu for mu in module_units for f in mu.flats}
+        self.queue = ReduceQueue(shards.control_group, device, async_op=True, max_inflight=self.max_inflight,
+                                 reduce_all=False,
+                                 launched_in_backward_everywhere=lambda g: grad_owner[id(g)].backward_end_seen)
+        for mu in module_units:
+            mu.reductions = self.queue
         self._held_until_backward_ends: list[FlatUnit] = []
         self._written: list[FlatUnit] = []
         self._hooks = []
