@@ -29,7 +29,9 @@ and the single-process unit references of tests/unit (optim/test_step_counts.py,
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+import contextlib
+import copy
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -46,10 +48,11 @@ class Reference(NamedTuple):
     optimizer: torch.optim.Optimizer
 
 
-def train_reference(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
-                    step_loss: Callable[..., torch.Tensor], *, clip: float = 0.0, accumulation: int = 1,
+def train_reference(model: nn.Module, optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+                    steps: int, step_loss: Callable[..., torch.Tensor], *, clip: float = 0.0, accumulation: int = 1,
                     before_step: Optional[Callable[[nn.Module, torch.optim.Optimizer, int], None]] = None,
                     after_backward: Optional[Callable[[nn.Module, int], None]] = None,
+                    backward: Optional[Callable[[torch.Tensor, int], bool]] = None,
                     named_parameters_only: bool = False) -> Reference:
     """Plain PyTorch, one process, the global batch.
 
@@ -58,31 +61,65 @@ def train_reference(model: nn.Module, optimizer: torch.optim.Optimizer, steps: i
     `accumulation`, as an accumulating loop does). `before_step(model, optimizer, step)` runs first in each step
     (e.g. a schedule setting the lr); `after_backward(model, step)` sees the gradients before clipping.
     Clipping (`clip` > 0) is over the parameters that have a gradient. The loss recorded is the step's mean.
+    `backward(loss, step)`, if given, runs each backward instead of `loss.backward()` and returns whether it
+    finished: False is a backward that raised midway and was caught, as a loop that skips a bad batch does: the
+    rest of that step is abandoned (no clipping, no optimizer step, no zero_grad: its partial gradients stay in
+    .grad for the next step) and no loss is recorded for it.
+    `optimizer` may be a list (a model split over several optimizers): each steps, then each zeroes.
     `params` is the state dict (or, with `named_parameters_only`, the parameters alone) as fp32 clones."""
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    run_backward = backward or _plain_backward
     losses, norms = [], []
     for step in range(steps):
         if before_step is not None:
             before_step(model, optimizer, step)
-        if accumulation == 1:
-            loss = step_loss(model, step)
-            loss.backward()
-            total = float(loss.detach())
-        else:
-            total = 0.0
-            for micro in range(accumulation):
-                loss = step_loss(model, step, micro)
-                (loss / accumulation).backward()
-                total += float(loss.detach()) / accumulation
+        total, finished = 0.0, True
+        for micro in range(accumulation):
+            loss = step_loss(model, step) if accumulation == 1 else step_loss(model, step, micro)
+            # divided by the micro-batches of a step, as an accumulating loop does (not at all without accumulation)
+            finished = run_backward(loss if accumulation == 1 else loss / accumulation, step)
+            if not finished:
+                break
+            total += float(loss.detach()) / accumulation
+        if not finished:
+            continue
         if after_backward is not None:
             after_backward(model, step)
         if clip:
             norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
             norms.append(float(norm))
-        optimizer.step()
-        optimizer.zero_grad()
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad()
         losses.append(total)
     items = model.named_parameters() if named_parameters_only else model.state_dict().items()
     return Reference(losses, {k: v.detach().float().clone() for k, v in items}, norms, model, optimizer)
+
+
+def _plain_backward(loss: torch.Tensor, step: int) -> bool:
+    loss.backward()
+    return True
+
+
+class RankBuffers:
+    """Each data-parallel rank's own module buffers, for a reference of models whose buffers a rank updates from its
+    own rows alone (BatchNorm's running statistics: data parallelism averages gradients, not buffers). Every
+    forward of rank `rank`'s rows runs inside `of(model, rank)`, which loads that rank's buffers before and keeps
+    them after; `per_rank[rank]` is what rank `rank` holds at the end. Such a reference runs one forward per rank
+    and micro-batch (train_reference's `accumulation` = ranks x micro-steps), so that the batch statistics of each
+    forward are one rank's, as under data parallelism."""
+
+    def __init__(self, model: nn.Module, world: int) -> None:
+        self.per_rank = [copy.deepcopy(dict(model.named_buffers())) for _ in range(world)]
+
+    @contextlib.contextmanager
+    def of(self, model: nn.Module, rank: int) -> Iterator[None]:
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(self.per_rank[rank][name])
+        yield
+        self.per_rank[rank] = copy.deepcopy(dict(model.named_buffers()))
 
 
 class _Params:
@@ -126,6 +163,12 @@ def assert_matches_reference(rank: int, losses, params: dict, ref_losses, ref_pa
     where = f"rank {rank}{' ' + what if what else ''}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
                                msg=lambda m: f"{where}: losses differ: {m}")
+    assert_params_match_reference(rank, params, ref_params, what)
+
+
+def assert_params_match_reference(rank: int, params: dict, ref_params: dict, what: str = "") -> None:
+    """`assert_matches_reference` for a run that records no losses: the parameters alone, FP32 tolerances."""
+    where = f"rank {rank}{' ' + what if what else ''}"
     for key, ref in ref_params.items():
         torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{where}: {key} differs: {m}")
