@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.dist.common import make_model, micro_batch, param_groups  # noqa: E402
+from tests.fixtures.deepspeed_ckpt.loop import train as train_steps  # noqa: E402
 
 PHASE, OUT = os.environ["PHASE"], Path(os.environ["OUT"])
 if PHASE == "deepspeed":
@@ -54,19 +54,8 @@ def config(stage: int, precision: str) -> dict:
 
 def train(engine, first: int, steps: int, dtype) -> tuple[list, list]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    losses, lrs = [], []
-    for step in range(first, first + steps):
-        lrs.append(engine.get_lr()[0])
-        total = torch.zeros(())
-        for micro in range(GAS):
-            x, y = micro_batch(step, micro, rank, world, MICRO_BS, GAS)
-            loss = F.mse_loss(engine(x.to(dtype)).float(), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / GAS
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses, lrs
+    return train_steps(engine, first, steps, lambda step, micro: micro_batch(step, micro, rank, world, MICRO_BS, GAS),
+                       dtype)
 
 
 def masters(engine) -> dict:

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import zerodp.deepspeed as deepspeed
 from tests.dist import harness
 from tests.dist.common import make_model, micro_batch, param_groups
+from tests.fixtures.deepspeed_ckpt.loop import train
 
 MICRO_BS, GAS, LR, CLIP = 2, 2, 1e-2, 0.05
 ZERODP_FILES = ("meta.json", "shard-", "rng-", "model_states.safetensors", "client_state.pt", "lr_scheduler.pt")
@@ -44,19 +44,7 @@ def _config(stage: int, precision: str) -> dict:
 
 def _train(engine, first: int, steps: int, dtype) -> tuple[list, list]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    losses, lrs = [], []
-    for step in range(first, first + steps):
-        lrs.append(engine.get_lr()[0])
-        total = torch.zeros(())
-        for micro in range(GAS):
-            x, y = micro_batch(step, micro, rank, world, MICRO_BS, GAS)
-            loss = F.mse_loss(engine(x.to(dtype)).float(), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / GAS
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses, lrs
+    return train(engine, first, steps, lambda step, micro: micro_batch(step, micro, rank, world, MICRO_BS, GAS), dtype)
 
 
 def _engine(stage: int, precision: str, seed: int):
