@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,3 +80,74 @@ def test_the_tolerances_catch_a_wrong_update_of_1e_4():
         assert_matches_reference(0, [1.0 + 1e-4], params, [1.0], params)
     with pytest.raises(AssertionError, match="beyond 1e-3 of lr"):
         assert_adam_params_close(wrong, params, lr=1e-2, steps=3)
+
+
+# -- one oracle: no test under tests/dist or tests/unit trains a plain reference loop of its own --------------------
+
+TESTS = Path(__file__).resolve().parents[1]
+
+# Functions there that step a plain optimizer after a backward and are not a parity reference, each with why. A new
+# test that needs a single-process reference calls tests/oracle.py (extend it with what it lacks) instead of landing
+# here.
+OWN_LOOPS = {
+    ("dist/test_larc_formula.py", "larc_by_the_formula"):
+        "LARC's formula written out independently of zerodp.optim.LARC, on purpose: it is what is checked",
+    ("dist/test_ddp_bitwise.py", "ddp_vs_zerodp"):
+        "the peer is torch's DistributedDataParallel on the same ranks, compared bitwise, not a one-process run",
+    ("dist/test_dcp.py", "fsdp2_train"):
+        "FSDP2 (a peer) trains on the ranks to write the checkpoint zerodp loads; the oracle continues from it",
+    ("unit/adapters/test_deepspeed_engine_calls.py", "_adapter"): "one step that gives Adam its state; no comparison",
+    ("unit/adapters/test_deepspeed_for_frameworks.py", "_adapter"): "one step that gives AdamW its state; no comparison",
+    ("unit/engine/test_engine_errors.py", "test_optimizer_that_already_stepped"):
+        "an optimizer that already has state, which initialize must refuse; no comparison",
+    ("unit/tools/test_gpt_and_corpus.py", "test_tiny_gpt_learns_the_corpus"):
+        "the bundled GPT's loss falls on the corpus; nothing is compared with zerodp",
+    ("unit/test_oracle.py", "test_the_reference_is_the_plain_loop_bitwise"): "the oracle checked against the loop itself",
+    ("unit/test_oracle.py", "test_accumulation_divides_each_micro_batch_and_records_the_mean"):
+        "the oracle's accumulation checked against the loop itself",
+}
+
+
+def own_training_loops(source: str) -> list[str]:
+    """The functions of `source` that call `.backward()` and `.step()` on something other than an engine (a name
+    assigned from an `...initialize(...)` call, or named like an engine) or a schedule: a training loop of their own."""
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        engines = set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
+                    and ast.unparse(node.value.func).endswith("initialize"):
+                engines |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+        stepped = {ast.unparse(c.func.value) for c in calls if c.func.attr == "step" and not c.args}
+        stepped = {s for s in stepped if s not in engines and "engine" not in s and "sched" not in s}
+        if stepped and any(c.func.attr == "backward" for c in calls):
+            found.append(fn.name)
+    return found
+
+
+def test_the_scan_finds_a_reference_loop_and_passes_engine_loops():
+    plain = ("def reference():\n    model = Net()\n    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+             "    for step in range(3):\n        loss(model, step).backward()\n        opt.step()\n        opt.zero_grad()\n")
+    engine = ("def run():\n    again, *_ = deepspeed.initialize(model=m, config=c)\n    for step in range(3):\n"
+              "        again.backward(loss(again, step))\n        again.step()\n        sched.step()\n"
+              "def train(engine):\n    engine.backward(engine(x).sum())\n    engine.step()\n")
+    assert own_training_loops(plain) == ["reference"]
+    assert own_training_loops(engine) == []
+
+
+def test_no_test_trains_a_reference_loop_of_its_own():
+    """Every single-process reference under tests/dist and tests/unit is tests/oracle.py's (the subprocess workers
+    that cannot import it live elsewhere: tests/oracle.py's docstring names them)."""
+    found = set()
+    for path in sorted([*(TESTS / "dist").rglob("*.py"), *(TESTS / "unit").rglob("*.py")]):
+        rel = path.relative_to(TESTS).as_posix()
+        found |= {(rel, name) for name in own_training_loops(path.read_text())}
+    new = sorted(found - set(OWN_LOOPS))
+    assert not new, (f"{new}: a training loop of its own (a .backward() and a plain optimizer's .step()); train the "
+                     "reference with tests/oracle.py's train_reference (extend it with what it lacks), or, if it is not "
+                     "a reference, add it to OWN_LOOPS with the reason")
+    gone = sorted(set(OWN_LOOPS) - found)
+    assert not gone, f"{gone}: in OWN_LOOPS but no longer a loop of its own: remove them from OWN_LOOPS"
