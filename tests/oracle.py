@@ -18,13 +18,30 @@ Tolerances, justified once:
   BF16  mixed precision: `mixed_precision_reference` computes in the low precision and steps fp32 masters
         as zerodp does; tests state their ulp bounds where they compare (tests/dist/test_precision.py).
 
-Subprocess workers that cannot import this module (scripts run by torchrun or by a DeepSpeed-style command
-line: tests/e2e/*_job.py, tests/e2e/deepspeed_scripts/, tests/hf/*_worker.py, tests/gpu/cuda_scripts.py) keep
-their own loop, written as a user would, and compare with a reference computed here in the test process.
-`tests/dist/test_larc_formula.py` keeps its own step on purpose: it is LARC's formula written independently.
-Still written apart, to be moved here: tests/dist/test_stage3_parity.py (its per-rank BatchNorm reference),
-tests/dist/test_bucket_intake.py and test_grad_hygiene.py (references through a raise and a stray backward),
-and the single-process unit references of tests/unit (optim/test_step_counts.py, adapters/test_deepspeed_*).
+Features a reference may need, here rather than in a copy: accumulation (micro-batches divided by their count,
+which also runs one forward per rank where a model's state is per rank: `RankBuffers` for BatchNorm's statistics,
+per-rank RNG streams in tests/dist/tensor_parallel_common.py), a hook before each step (a schedule, a model switch)
+and after each backward (norms), a `backward` that raises midway and skips its step (tests/dist/test_bucket_intake.py),
+several optimizers over one model (tests/dist/whole_tensor_common.py).
+
+Every single-process reference under tests/ is this module's; tests/unit/test_oracle.py fails when a function
+under tests/ (DeepSpeed's own scripts apart) trains a loop of its own, outside its list of the few that are no
+reference (a peer such as DDP or FSDP2 training on the ranks, a user's Accelerate loop, an optimizer given state
+to be refused, a loss that must fall).
+Kept apart, with the reason:
+- Subprocess workers that cannot import this module: none keeps a reference. The scripts launched as a user
+  launches them (tests/e2e/*_job.py, tests/e2e/deepspeed_script/, tests/e2e/deepspeed_scripts/ (DeepSpeed-Chat's
+  and DeepSpeed's own scripts, kept as their authors wrote them), tests/hf/*_worker.py) hold a user's training
+  loop, not a reference: the test compares them with the same script's plain run (Accelerate's DDP, the HF
+  Trainer) or with this module run in the test process (tests/e2e/test_deepspeed_script.py). The workers that
+  train a reference beside zerodp (tests/gpu/cuda_scripts.py) run with the repository on their path and call
+  this module.
+- tests/dist/test_larc_formula.py keeps its own step on purpose: it is LARC's formula written independently.
+- tests/activation_regions.py drives both sides of the activation-checkpointing tests (plain regions and each
+  checkpointing form) through one loop and compares gradients, the input's gradient and the RNG state, which a
+  reference of losses and parameters does not record; it checks checkpointing, not zerodp's training.
+- tests/fixtures/deepspeed_ckpt/loop.py is the training loop of DeepSpeed's engine (real DeepSpeed and zerodp's
+  adapter run it on the ranks): no reference, the same loop on both sides of a checkpoint comparison.
 """
 
 from __future__ import annotations
