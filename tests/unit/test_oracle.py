@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.oracle import assert_adam_params_close, assert_matches_reference, train_reference
+from tests.oracle import RankBuffers, assert_adam_params_close, assert_matches_reference, train_reference
 
 
 def _net() -> nn.Module:
@@ -69,6 +69,76 @@ def test_accumulation_divides_each_micro_batch_and_records_the_mean():
         assert torch.equal(ref.params[key], value), key
 
 
+def test_a_backward_that_fails_skips_its_step_and_keeps_its_gradients():
+    """`backward` returning False: no step, no zero_grad, no loss recorded; the next step adds to the gradients."""
+    def backward(loss, step):
+        loss.backward()
+        return step != 1  # step 1's backward "raised" after it finished: its gradients stay
+
+    def step_loss(model, step):
+        x, y = _batch(step)
+        return F.mse_loss(model(x), y)
+
+    model = _net()
+    ref = train_reference(model, [torch.optim.SGD(model.parameters(), lr=0.1)], 3, step_loss, backward=backward)
+    plain = _net()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        loss = step_loss(plain, step)
+        loss.backward()
+        if step == 1:
+            continue
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert ref.losses == losses and len(losses) == 2
+    for key, value in plain.state_dict().items():
+        assert torch.equal(ref.params[key], value), key
+
+
+def test_rank_buffers_keep_each_ranks_batchnorm_statistics():
+    """One forward per rank and micro-step, each with that rank's running statistics, equals the loop written out
+    (loading and keeping each rank's buffers by hand), bitwise; and the two ranks' statistics differ."""
+    def bn_net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+    def rows(step, chunk):  # chunk = micro * 2 + rank: 4 rows each
+        x, y = _batch(step)
+        return x[4 * chunk:4 * chunk + 4], y[4 * chunk:4 * chunk + 4]
+
+    model = bn_net()
+    buffers = RankBuffers(model, 2)
+
+    def chunk_loss(model, step, chunk):
+        x, y = rows(step, chunk)
+        with buffers.of(model, chunk % 2):
+            out = model(x)
+        return F.mse_loss(out, y)
+
+    ref = train_reference(model, torch.optim.SGD(model.parameters(), lr=0.1), 3, chunk_loss, accumulation=4)
+    plain = bn_net()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    own = [{k: v.clone() for k, v in plain.named_buffers()} for _ in range(2)]
+    for step in range(3):
+        for chunk in range(4):
+            with torch.no_grad():
+                for k, v in plain.named_buffers():
+                    v.copy_(own[chunk % 2][k])
+            x, y = rows(step, chunk)
+            (F.mse_loss(plain(x), y) / 4).backward()
+            own[chunk % 2] = {k: v.clone() for k, v in plain.named_buffers()}
+        opt.step()
+        opt.zero_grad()
+    for key, value in plain.named_parameters():
+        assert torch.equal(ref.params[key], value), key
+    for rank in range(2):
+        for key, value in own[rank].items():
+            assert torch.equal(buffers.per_rank[rank][key], value), (rank, key)
+    assert not torch.equal(buffers.per_rank[0]["1.running_mean"], buffers.per_rank[1]["1.running_mean"])
+
+
 def test_the_tolerances_catch_a_wrong_update_of_1e_4():
     params = {"w": torch.full((4, 4), 0.5)}
     wrong = {"w": params["w"].clone()}
@@ -110,6 +180,10 @@ OWN_LOOPS = {
     ("unit/test_oracle.py", "test_the_reference_is_the_plain_loop_bitwise"): "the oracle checked against the loop itself",
     ("unit/test_oracle.py", "test_accumulation_divides_each_micro_batch_and_records_the_mean"):
         "the oracle's accumulation checked against the loop itself",
+    ("unit/test_oracle.py", "test_a_backward_that_fails_skips_its_step_and_keeps_its_gradients"):
+        "the oracle's failed backward checked against the loop itself",
+    ("unit/test_oracle.py", "test_rank_buffers_keep_each_ranks_batchnorm_statistics"):
+        "the oracle's per-rank buffers checked against the loop itself",
 }
 
 
