@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.dist.common import make_model, micro_batch, param_groups  # noqa: E402
+from tests.fixtures.deepspeed_ckpt.loop import GAS, LR, MICRO_BS, dtype_of, layout_config as config  # noqa: E402
+from tests.fixtures.deepspeed_ckpt.loop import train as train_steps  # noqa: E402
 
 PHASE, OUT = os.environ["PHASE"], Path(os.environ["OUT"])
 if PHASE == "deepspeed":
@@ -35,38 +36,14 @@ if PHASE == "deepspeed":
 else:
     import zerodp.deepspeed as deepspeed
 
-MICRO_BS, GAS, LR, CLIP = 2, 2, 1e-2, 0.05
 CASES = {"s1_fp32": (1, "fp32"), "s2_fp32": (2, "fp32"), "s3_fp32": (3, "fp32"), "s2_bf16": (2, "bf16"),
          "s3_bf16": (3, "bf16"), "s2_fp16": (2, "fp16")}
 
 
-def config(stage: int, precision: str) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO_BS, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
-           "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6, "zero_allow_untested_optimizer": True,
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                          "warmup_num_steps": 4}}}
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 2}
-    return cfg
-
-
 def train(engine, first: int, steps: int, dtype) -> tuple[list, list]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    losses, lrs = [], []
-    for step in range(first, first + steps):
-        lrs.append(engine.get_lr()[0])
-        total = torch.zeros(())
-        for micro in range(GAS):
-            x, y = micro_batch(step, micro, rank, world, MICRO_BS, GAS)
-            loss = F.mse_loss(engine(x.to(dtype)).float(), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / GAS
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses, lrs
+    return train_steps(engine, first, steps, lambda step, micro: micro_batch(step, micro, rank, world, MICRO_BS, GAS),
+                       dtype)
 
 
 def masters(engine) -> dict:
@@ -79,10 +56,6 @@ def make_engine(stage: int, precision: str, seed: int):
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model, 1e-2), lr=LR),
                                       config=config(stage, precision))
     return engine
-
-
-def dtype_of(precision: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 def zerodp_phase() -> None:

@@ -18,18 +18,37 @@ Tolerances, justified once:
   BF16  mixed precision: `mixed_precision_reference` computes in the low precision and steps fp32 masters
         as zerodp does; tests state their ulp bounds where they compare (tests/dist/test_precision.py).
 
-Subprocess workers that cannot import this module (scripts run by torchrun or by a DeepSpeed-style command
-line: tests/e2e/*_job.py, tests/e2e/deepspeed_scripts/, tests/hf/*_worker.py, tests/gpu/cuda_scripts.py) keep
-their own loop, written as a user would, and compare with a reference computed here in the test process.
-`tests/dist/test_larc_formula.py` keeps its own step on purpose: it is LARC's formula written independently.
-Still written apart, to be moved here: tests/dist/test_stage3_parity.py (its per-rank BatchNorm reference),
-tests/dist/test_bucket_intake.py and test_grad_hygiene.py (references through a raise and a stray backward),
-and the single-process unit references of tests/unit (optim/test_step_counts.py, adapters/test_deepspeed_*).
+Features a reference may need, here rather than in a copy: accumulation (micro-batches divided by their count,
+which also runs one forward per rank where a model's state is per rank: `RankBuffers` for BatchNorm's statistics,
+per-rank RNG streams in tests/dist/tensor_parallel_common.py), a hook before each step (a schedule, a model switch)
+and after each backward (norms), a `backward` that raises midway and skips its step (tests/dist/test_bucket_intake.py),
+several optimizers over one model (tests/dist/whole_tensor_common.py).
+
+Every single-process reference under tests/ is this module's; tests/unit/test_oracle.py fails when a function
+under tests/ (DeepSpeed's own scripts apart) trains a loop of its own, outside its list of the few that are no
+reference (a peer such as DDP or FSDP2 training on the ranks, a user's Accelerate loop, an optimizer given state
+to be refused, a loss that must fall).
+Kept apart, with the reason:
+- Subprocess workers that cannot import this module: none keeps a reference. The scripts launched as a user
+  launches them (tests/e2e/*_job.py, tests/e2e/deepspeed_script/, tests/e2e/deepspeed_scripts/ (DeepSpeed-Chat's
+  and DeepSpeed's own scripts, kept as their authors wrote them), tests/hf/*_worker.py) hold a user's training
+  loop, not a reference: the test compares them with the same script's plain run (Accelerate's DDP, the HF
+  Trainer) or with this module run in the test process (tests/e2e/test_deepspeed_script.py). The workers that
+  train a reference beside zerodp (tests/gpu/cuda_scripts.py) run with the repository on their path and call
+  this module.
+- tests/dist/test_larc_formula.py keeps its own step on purpose: it is LARC's formula written independently.
+- tests/activation_regions.py drives both sides of the activation-checkpointing tests (plain regions and each
+  checkpointing form) through one loop and compares gradients, the input's gradient and the RNG state, which a
+  reference of losses and parameters does not record; it checks checkpointing, not zerodp's training.
+- tests/fixtures/deepspeed_ckpt/loop.py is the training loop of DeepSpeed's engine (real DeepSpeed and zerodp's
+  adapter run it on the ranks): no reference, the same loop on both sides of a checkpoint comparison.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+import contextlib
+import copy
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -46,10 +65,11 @@ class Reference(NamedTuple):
     optimizer: torch.optim.Optimizer
 
 
-def train_reference(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
-                    step_loss: Callable[..., torch.Tensor], *, clip: float = 0.0, accumulation: int = 1,
+def train_reference(model: nn.Module, optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+                    steps: int, step_loss: Callable[..., torch.Tensor], *, clip: float = 0.0, accumulation: int = 1,
                     before_step: Optional[Callable[[nn.Module, torch.optim.Optimizer, int], None]] = None,
                     after_backward: Optional[Callable[[nn.Module, int], None]] = None,
+                    backward: Optional[Callable[[torch.Tensor, int], bool]] = None,
                     named_parameters_only: bool = False) -> Reference:
     """Plain PyTorch, one process, the global batch.
 
@@ -58,31 +78,65 @@ def train_reference(model: nn.Module, optimizer: torch.optim.Optimizer, steps: i
     `accumulation`, as an accumulating loop does). `before_step(model, optimizer, step)` runs first in each step
     (e.g. a schedule setting the lr); `after_backward(model, step)` sees the gradients before clipping.
     Clipping (`clip` > 0) is over the parameters that have a gradient. The loss recorded is the step's mean.
+    `backward(loss, step)`, if given, runs each backward instead of `loss.backward()` and returns whether it
+    finished: False is a backward that raised midway and was caught, as a loop that skips a bad batch does: the
+    rest of that step is abandoned (no clipping, no optimizer step, no zero_grad: its partial gradients stay in
+    .grad for the next step) and no loss is recorded for it.
+    `optimizer` may be a list (a model split over several optimizers): each steps, then each zeroes.
     `params` is the state dict (or, with `named_parameters_only`, the parameters alone) as fp32 clones."""
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    run_backward = backward or _plain_backward
     losses, norms = [], []
     for step in range(steps):
         if before_step is not None:
             before_step(model, optimizer, step)
-        if accumulation == 1:
-            loss = step_loss(model, step)
-            loss.backward()
-            total = float(loss.detach())
-        else:
-            total = 0.0
-            for micro in range(accumulation):
-                loss = step_loss(model, step, micro)
-                (loss / accumulation).backward()
-                total += float(loss.detach()) / accumulation
+        total, finished = 0.0, True
+        for micro in range(accumulation):
+            loss = step_loss(model, step) if accumulation == 1 else step_loss(model, step, micro)
+            # divided by the micro-batches of a step, as an accumulating loop does (not at all without accumulation)
+            finished = run_backward(loss if accumulation == 1 else loss / accumulation, step)
+            if not finished:
+                break
+            total += float(loss.detach()) / accumulation
+        if not finished:
+            continue
         if after_backward is not None:
             after_backward(model, step)
         if clip:
             norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
             norms.append(float(norm))
-        optimizer.step()
-        optimizer.zero_grad()
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad()
         losses.append(total)
     items = model.named_parameters() if named_parameters_only else model.state_dict().items()
     return Reference(losses, {k: v.detach().float().clone() for k, v in items}, norms, model, optimizer)
+
+
+def _plain_backward(loss: torch.Tensor, step: int) -> bool:
+    loss.backward()
+    return True
+
+
+class RankBuffers:
+    """Each data-parallel rank's own module buffers, for a reference of models whose buffers a rank updates from its
+    own rows alone (BatchNorm's running statistics: data parallelism averages gradients, not buffers). Every
+    forward of rank `rank`'s rows runs inside `of(model, rank)`, which loads that rank's buffers before and keeps
+    them after; `per_rank[rank]` is what rank `rank` holds at the end. Such a reference runs one forward per rank
+    and micro-batch (train_reference's `accumulation` = ranks x micro-steps), so that the batch statistics of each
+    forward are one rank's, as under data parallelism."""
+
+    def __init__(self, model: nn.Module, world: int) -> None:
+        self.per_rank = [copy.deepcopy(dict(model.named_buffers())) for _ in range(world)]
+
+    @contextlib.contextmanager
+    def of(self, model: nn.Module, rank: int) -> Iterator[None]:
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(self.per_rank[rank][name])
+        yield
+        self.per_rank[rank] = copy.deepcopy(dict(model.named_buffers()))
 
 
 class _Params:
@@ -126,6 +180,12 @@ def assert_matches_reference(rank: int, losses, params: dict, ref_losses, ref_pa
     where = f"rank {rank}{' ' + what if what else ''}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
                                msg=lambda m: f"{where}: losses differ: {m}")
+    assert_params_match_reference(rank, params, ref_params, what)
+
+
+def assert_params_match_reference(rank: int, params: dict, ref_params: dict, what: str = "") -> None:
+    """`assert_matches_reference` for a run that records no losses: the parameters alone, FP32 tolerances."""
+    where = f"rank {rank}{' ' + what if what else ''}"
     for key, ref in ref_params.items():
         torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{where}: {key} differs: {m}")

@@ -21,6 +21,7 @@ from zerodp.tools.models.tp_gpt import TensorParallelGPT, tp_lm_loss
 from zerodp.tensor_parallel import (MODEL_PARALLEL_RNG, ModelParallelUnit, RNGStatesTracker, merge_state_dicts,
                                     seed_model_parallel, tensor_parallel_specs)
 from zerodp.tensor_parallel.random import MODEL_PARALLEL_SEED_OFFSET
+from tests.oracle import train_reference
 
 TP, DP = 2, 2
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.1)
@@ -153,29 +154,29 @@ class ReferenceStreams:
 
 
 def reference_run(opt_name: str, steps: int) -> tuple[list[list[float]], list[float], dict]:
-    """Losses per data-parallel rank, gradient norms per step, and the final parameters of the reference."""
+    """Losses per data-parallel rank, gradient norms per step, and the final parameters of the oracle's run."""
     model = TensorParallelGPT(CFG, seed=SEED)
     streams = ReferenceStreams()
     for block in model.blocks:
         block.attn.core = EmulatedAttentionCore(CFG.dropout, streams)
-    opt = make_optimizer(opt_name, model.parameters())
+    losses = [[] for _ in range(DP)]
+
+    def rank_loss(model: nn.Module, step: int, chunk: int) -> torch.Tensor:
+        """chunk = micro * DP + d: data-parallel rank d's micro-batch `micro`, drawn from rank d's streams."""
+        micro, d = divmod(chunk, DP)
+        torch.set_rng_state(streams.default[d])
+        streams.current = streams.trackers[d]
+        x, y = micro_batch(step, micro, d)
+        loss = lm_loss(model(x), y)
+        streams.default[d] = torch.get_rng_state()  # the forward drew its dropouts; backward draws none
+        losses[d].append(loss.item())
+        return loss
+
     saved = torch.get_rng_state()
-    losses, norms = [[] for _ in range(DP)], []
-    for step in range(steps):
-        for micro in range(GAS):
-            for d in range(DP):
-                torch.set_rng_state(streams.default[d])
-                streams.current = streams.trackers[d]
-                x, y = micro_batch(step, micro, d)
-                loss = lm_loss(model(x), y)
-                (loss / (DP * GAS)).backward()
-                streams.default[d] = torch.get_rng_state()
-                losses[d].append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
+    ref = train_reference(model, make_optimizer(opt_name, model.parameters()), steps, rank_loss, clip=CLIP,
+                          accumulation=DP * GAS, named_parameters_only=True)
     torch.set_rng_state(saved)
-    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, ref.grad_norms, ref.params
 
 
 def unsharded(per_tp_state_dicts: list[dict], specs: dict) -> dict:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import zerodp
 from zerodp.shard.grads import bucket_intake
 from tests.dist import test_stage3_parity
-from tests.dist.common import make_model, make_optimizer, micro_batch
+from tests.dist.common import make_model, make_optimizer, micro_batch, reference_run
+from tests.oracle import assert_params_match_reference, train_reference
 
 BUCKET = 250  # elements: every case's model spans several buckets
 # order_changes: its first bucket (first in reduction order) holds the head and both layers, whose order flips, so
@@ -130,7 +131,7 @@ def stray_run(stray: bool) -> dict:
                 out["error"] = str(err)
         engine.backward(F.mse_loss(engine(x), y))
         engine.step()
-    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["params"] = {k: p.detach().clone() for k, p in model.named_parameters()}
     engine.close()
     return out
 
@@ -138,11 +139,13 @@ def stray_run(stray: bool) -> dict:
 def test_a_stray_gradient_no_hook_saw_is_refused_at_the_next_backward(dist_run):
     clean = dist_run(2, stray_run, False)
     stray = dist_run(2, stray_run, True)
-    for c, s in zip(clean, stray):
+    _, ref_params = reference_run("sgd", 3, 4, 0.0)  # 3 steps of the global batch (2 ranks x 2 rows)
+    for rank, (c, s) in enumerate(zip(clean, stray)):
         assert s["error"] is not None and "call engine.backward(loss) instead of loss.backward()" in s["error"]
         assert "found at the next engine.backward" in s["error"]
-        for a, b in zip(c["params"], s["params"]):
-            assert torch.equal(a, b), "the stray gradient must not reach the step"
+        for key, value in c["params"].items():
+            assert torch.equal(value, s["params"][key]), "the stray gradient must not reach the step"
+        assert_params_match_reference(rank, c["params"], ref_params)
 
 
 class _Raised(Exception):
@@ -180,21 +183,26 @@ def _batch(step: int, rows: int):
     return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
 
 
-def _train_through_a_raise(model, backward, step_fn, rows: int, lo: int, before_raise=lambda: None) -> None:
-    """PATHS, with step 2's backward raising midway; the caller catches it, skips the batch and trains on (its
-    partial gradients stay, as plain PyTorch keeps them in .grad without a zero_grad)."""
-    for step, path in enumerate(PATHS):
-        x, y = _batch(step, rows)
-        loss = F.mse_loss(model(x[lo:lo + rows // 2] if lo >= 0 else x, path), y[lo:lo + rows // 2] if lo >= 0 else y)
-        if step == 2:
-            before_raise()
-            handle = model.b.weight.register_hook(_raise)
-            with pytest.raises(_Raised):
-                backward(loss)
-            handle.remove()
-            continue
+def _path_loss(model, step: int, rows: int, lo: int) -> torch.Tensor:
+    """Step `step`'s loss along PATHS[step]: the global batch (`lo` < 0) or half of it from row `lo`."""
+    x, y = _batch(step, rows)
+    if lo >= 0:
+        x, y = x[lo:lo + rows // 2], y[lo:lo + rows // 2]
+    return F.mse_loss(model(x, PATHS[step]), y)
+
+
+def _backward_through_the_raise(model, backward, loss: torch.Tensor, step: int, before_raise=lambda: None) -> bool:
+    """`backward(loss)`, except that step 2's raises midway; returns whether it finished. The caller then skips the
+    batch and trains on: its partial gradients stay, as plain PyTorch keeps them in .grad without a zero_grad."""
+    if step != 2:
         backward(loss)
-        step_fn()
+        return True
+    before_raise()
+    handle = model.b.weight.register_hook(_raise)
+    with pytest.raises(_Raised):
+        backward(loss)
+    handle.remove()
+    return False
 
 
 def raised_backward_run(stage: int, per_parameter: bool, zero: dict | None = None) -> tuple:
@@ -206,9 +214,12 @@ def raised_backward_run(stage: int, per_parameter: bool, zero: dict | None = Non
         bucket_intake.BucketIntake.settle = lambda self: False  # every bucket keeps its hooks per parameter
     modes = []
     try:
-        _train_through_a_raise(engine.module, engine.backward, engine.step, 4, 2 * rank,
-                               lambda: modes.extend(i.mode.name for i in getattr(engine.sharding, "intakes", [])
-                                                    if i is not None))
+        def before_raise():
+            modes.extend(i.mode.name for i in getattr(engine.sharding, "intakes", []) if i is not None)
+        for step in range(len(PATHS)):
+            loss = _path_loss(engine.module, step, 4, 2 * rank)
+            if _backward_through_the_raise(engine.module, engine.backward, loss, step, before_raise):
+                engine.step()
     finally:
         bucket_intake.BucketIntake.settle = saved
         engine.close()  # also when it raised: the pool's next test must not inherit its threads
@@ -216,15 +227,13 @@ def raised_backward_run(stage: int, per_parameter: bool, zero: dict | None = Non
 
 
 def plain_run_through_a_raise() -> torch.nn.Module:
-    """The reference: plain PyTorch on the global batch through the same raise (its partial .grads kept)."""
+    """The reference: the oracle on the global batch through the same raise (its partial .grads kept)."""
     model = _Layers()
-    optimizer = _sgd(model)
 
-    def step():
-        optimizer.step()
-        optimizer.zero_grad()
-    _train_through_a_raise(model, lambda loss: loss.backward(), step, 4, -1)
-    return model
+    def backward(loss: torch.Tensor, step: int) -> bool:
+        return _backward_through_the_raise(model, torch.Tensor.backward, loss, step)
+    return train_reference(model, _sgd(model), len(PATHS), lambda m, step: _path_loss(m, step, 4, -1),
+                           backward=backward).model
 
 
 @pytest.mark.parametrize("stage", [0, 1])

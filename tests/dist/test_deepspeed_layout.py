@@ -20,54 +20,25 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import zerodp.deepspeed as deepspeed
 from tests.dist import harness
 from tests.dist.common import make_model, micro_batch, param_groups
+from tests.fixtures.deepspeed_ckpt.loop import GAS, LR, MICRO_BS, dtype_of, layout_config, train
 
-MICRO_BS, GAS, LR, CLIP = 2, 2, 1e-2, 0.05
 ZERODP_FILES = ("meta.json", "shard-", "rng-", "model_states.safetensors", "client_state.pt", "lr_scheduler.pt")
-
-
-def _config(stage: int, precision: str) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO_BS, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
-           "zero_optimization": {"stage": stage},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                          "warmup_num_steps": 4}}}
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 2}
-    return cfg
 
 
 def _train(engine, first: int, steps: int, dtype) -> tuple[list, list]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    losses, lrs = [], []
-    for step in range(first, first + steps):
-        lrs.append(engine.get_lr()[0])
-        total = torch.zeros(())
-        for micro in range(GAS):
-            x, y = micro_batch(step, micro, rank, world, MICRO_BS, GAS)
-            loss = F.mse_loss(engine(x.to(dtype)).float(), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / GAS
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses, lrs
+    return train(engine, first, steps, lambda step, micro: micro_batch(step, micro, rank, world, MICRO_BS, GAS), dtype)
 
 
 def _engine(stage: int, precision: str, seed: int):
     model = make_model(seed)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model, 1e-2), lr=LR),
-                                      config=_config(stage, precision))
+                                      config=layout_config(stage, precision))
     return engine
-
-
-def _dtype(precision: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 def _after(engine, losses, lrs) -> dict:
@@ -78,10 +49,10 @@ def _after(engine, losses, lrs) -> dict:
 def save_and_continue(stage: int, precision: str, save_dir: str) -> dict:
     """Train 3 steps, save (zerodp's format and DeepSpeed's layout), train 3 more: the continuation to match."""
     engine = _engine(stage, precision, seed=0)
-    _train(engine, 0, 3, _dtype(precision))
+    _train(engine, 0, 3, dtype_of(precision))
     saved = engine.full_state_dict(rank0_only=False)
     engine.save_checkpoint(save_dir, client_state={"epoch": 7})
-    out = {"saved": saved, **_after(engine, *_train(engine, 3, 3, _dtype(precision)))}
+    out = {"saved": saved, **_after(engine, *_train(engine, 3, 3, dtype_of(precision)))}
     engine.destroy()
     return out
 
@@ -89,7 +60,7 @@ def save_and_continue(stage: int, precision: str, save_dir: str) -> dict:
 def resume(stage: int, precision: str, load_dir: str) -> dict:
     engine = _engine(stage, precision, seed=123)
     _, client = engine.load_checkpoint(load_dir)
-    out = {"client": client.get("epoch"), **_after(engine, *_train(engine, 3, 3, _dtype(precision)))}
+    out = {"client": client.get("epoch"), **_after(engine, *_train(engine, 3, 3, dtype_of(precision)))}
     engine.destroy()
     return out
 

@@ -28,11 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import zerodp.deepspeed as deepspeed
 from tests.dist import harness
 from tests.dist.common import make_model, micro_batch, param_groups
+from tests.fixtures.deepspeed_ckpt.loop import train
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_ckpt"
 EXPECTED = torch.load(FIXTURES / "expected.pt", weights_only=True)
@@ -56,19 +56,8 @@ def resume(name: str, stage: int) -> dict:
               "loss_scale": engine.engine.scaler.scale, "loss_scaler": engine.engine.scaler.state_dict()}
     gas = engine.gradient_accumulation_steps()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case["precision"], torch.float32)  # as the script did
-    losses, lrs = [], []
-    first = EXPECTED["save_steps"]
-    for step in range(first, first + EXPECTED["resume_steps"]):
-        lrs.append(engine.get_lr()[0])
-        total = torch.zeros(())
-        for micro in range(gas):
-            x, y = micro_batch(step, micro, rank, world, EXPECTED["micro_bs"], gas)
-            loss = F.mse_loss(engine(x.to(dtype)).float(), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / gas
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses, lrs = train(engine, EXPECTED["save_steps"], EXPECTED["resume_steps"],
+                        lambda step, micro: micro_batch(step, micro, rank, world, EXPECTED["micro_bs"], gas), dtype)
     params = {k: v.float() for k, v in engine.full_state_dict(rank0_only=False).items()}
     after = {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps}
     engine.destroy()

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from zerodp import comm
 from zerodp.comm import topology
 from tests.dist.test_hpz import (DEEPSPEED_HINTS, _as_two_nodes, load_and_train, on_two_hosts, refusal,
                                  save_after_training)
-from tests.dist.test_node_layout import _Collect
+from tests.logged_warnings import zerodp_warnings
 from tests.dist.test_stage3_parity import assert_matches, reference_case, zerodp_case
 
 MICS = {"mics_shard_size": 2}
@@ -121,17 +120,12 @@ def deepspeed_launch_case(name: str, zero: dict) -> tuple:
     """The parity case under DeepSpeed's per-node launch variables (LOCAL_SIZE, CROSS_RANK/CROSS_SIZE, no
     LOCAL_WORLD_SIZE) on 2 hosts: its losses, state, node layout, inter-/intra-node parameter gather bytes and
     the warnings logged."""
-    handler = _Collect()
-    logging.getLogger("zerodp").addHandler(handler)
-    try:
-        with comm.record() as log:
-            losses, state, layout = on_two_hosts(DEEPSPEED_HINTS, _case_and_layout, name, zero)
-    finally:
-        logging.getLogger("zerodp").removeHandler(handler)
+    with zerodp_warnings() as warnings, comm.record() as log:
+        losses, state, layout = on_two_hosts(DEEPSPEED_HINTS, _case_and_layout, name, zero)
     gathers = [r for r in log.records if r.op == "all_gather" and r.tag == "param"]
     inter = sum(r.volume_bytes for r in gathers if r.crosses_nodes)
     intra = sum(r.volume_bytes for r in gathers if not r.crosses_nodes)
-    return losses, state, layout, inter, intra, handler.messages
+    return losses, state, layout, inter, intra, warnings
 
 
 @pytest.mark.parametrize("zero", [TWO_HOPS, {"zero_hpz_partition_size": 2}], ids=["mics_two_hops", "hpz"])

@@ -5,33 +5,20 @@ the launcher's variables only as hints; a disagreement is one warning naming bot
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch.distributed as dist
 
 from zerodp.comm import topology
 from tests.dist.test_hpz import on_two_hosts
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+from tests.logged_warnings import zerodp_warnings
 
 
 def _learn() -> tuple:
-    handler = _Collect()
-    logging.getLogger("zerodp").addHandler(handler)
-    try:
+    with zerodp_warnings() as warnings:
         before = tuple(topology.node_layout())  # nothing learned yet: the hints
         learned = tuple(topology.learn_hosts())
-        return before, learned, tuple(topology.node_layout()), topology.crosses_nodes(None), handler.messages
-    finally:
-        logging.getLogger("zerodp").removeHandler(handler)
+        return before, learned, tuple(topology.node_layout()), topology.crosses_nodes(None), warnings
 
 
 def _learn_interleaved() -> tuple:
@@ -84,14 +71,10 @@ def _interleaved(fn, *args):
 def _hpz_warnings() -> list:
     from tests.dist.test_hpz import _engine
 
-    handler = _Collect()
-    logging.getLogger("zerodp").addHandler(handler)
-    try:
+    with zerodp_warnings() as warnings:
         _, engine = _engine({"zero_hpz_partition_size": 2})
         engine.close()
-    finally:
-        logging.getLogger("zerodp").removeHandler(handler)
-    return handler.messages
+    return warnings
 
 
 def interleaved_hierarchical_case() -> tuple:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import zerodp
 from zerodp import comm
 from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
+from tests.oracle import train_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -195,11 +196,14 @@ def rlhf_loop_run() -> dict:
     make = lambda: gpt(n_layer=4, n_embd=192, vocab=64, seed=7)  # ~1.8M parameters: a leak of one copy shows
     model, reference = make(), make()
     engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05), config("Block"))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     process = psutil.Process(os.getpid())
     tokens, ref_tokens, rss = [], [], []
+
+    def batch_of(it: int) -> list[torch.Tensor]:
+        return [prompts(1000 * it + r, rows=LOOP_ROWS, vocab=64) for r in range(world)]
+
     for it in range(LOOP_ITERATIONS):
-        batch = [prompts(1000 * it + r, rows=LOOP_ROWS, vocab=64) for r in range(world)]
+        batch = batch_of(it)
         peak = process.memory_info().rss
         engine.eval()
         with torch.no_grad():
@@ -211,17 +215,18 @@ def rlhf_loop_run() -> dict:
         engine.step()
         rss.append(max(peak, process.memory_info().rss))
         tokens.append(seq)
-        # the same loop, unsharded: each rank's prompts generated as that rank did (same batch shapes),
-        # the loss the mean of the per-rank losses (equal rows), one step
-        reference.eval()
+
+    def generate_then_loss(net, it: int) -> torch.Tensor:
+        """The same loop, unsharded: each rank's prompts generated as that rank did (same batch shapes), the
+        loss the mean of the per-rank losses (equal rows), one step."""
+        net.eval()
         with torch.no_grad():
-            ref_seqs = [reference.generate(b, 8, temperature=0) for b in batch]
-        reference.train()
-        ref_loss = sum(rlhf_step_loss(reference, s) for s in ref_seqs) / world
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+            ref_seqs = [net.generate(b, 8, temperature=0) for b in batch_of(it)]
+        net.train()
         ref_tokens.append(ref_seqs[rank])
+        return sum(rlhf_step_loss(net, s) for s in ref_seqs) / world
+
+    train_reference(reference, torch.optim.SGD(reference.parameters(), lr=0.05), LOOP_ITERATIONS, generate_then_loss)
     state = engine.full_state_dict(rank0_only=False)
     diff = max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
     moved = max((p.detach() - q.detach()).abs().max().item()

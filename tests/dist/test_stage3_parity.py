@@ -11,7 +11,6 @@ and prefetch budgets that force partial prefetch from the second step on.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zerodp
 from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
+from tests import oracle
 from tests.dist import common
 
 STEPS, MICRO_BS, GAS, CLIP = 4, 2, 2, 0.5
@@ -329,40 +329,37 @@ def assert_partitioned_at_creation(model: nn.Module, world: int) -> None:
 
 
 def reference_case(name: str, world: int) -> tuple[list[float], dict, list[dict]]:
-    """Plain PyTorch in one process. Global batch, or (per_rank_reference) the batch split the way
-    the ranks see it, each chunk with that rank's own buffers: returns losses, state, buffers per rank."""
+    """The oracle in one process: the global batch, or (per_rank_reference) one forward per rank and micro-step,
+    each with that rank's own buffers (RankBuffers). Returns losses, state and each rank's buffers."""
     case = CASES[name]
     model = make(case)
-    opt = case.optimizer(model)
-    buffers = [copy.deepcopy(dict(model.named_buffers())) for _ in range(world)]
-    losses = []
-    for step in range(STEPS):
+    buffers = oracle.RankBuffers(model, world)
+    batches = {}
+
+    def rows(step: int):
+        if step not in batches:
+            batches[step] = case.batch(step, MICRO_BS * world * GAS)
+        return batches[step]
+
+    def step_loss(model: nn.Module, step: int) -> torch.Tensor:
+        x, y = rows(step)
+        return case.loss(model(x), y, model)
+
+    def rank_loss(model: nn.Module, step: int, chunk: int) -> torch.Tensor:
+        x, y = rows(step)  # chunk = micro * world + rank: the rows that rank takes at that micro-step
+        lo = chunk * MICRO_BS
+        with buffers.of(model, chunk % world):
+            out = model(x[lo:lo + MICRO_BS])
+        return case.loss(out, y[lo:lo + MICRO_BS], model)
+
+    def before_step(model: nn.Module, opt, step: int) -> None:
         if case.before_step is not None:
             case.before_step(model, step)
-        x, y = case.batch(step, MICRO_BS * world * GAS)
-        if not case.per_rank_reference:
-            loss = case.loss(model(x), y, model)
-            loss.backward()
-        else:
-            loss = 0.0
-            for micro in range(GAS):
-                for rank in range(world):
-                    lo = (micro * world + rank) * MICRO_BS
-                    _load_buffers(model, buffers[rank])
-                    chunk = case.loss(model(x[lo:lo + MICRO_BS]), y[lo:lo + MICRO_BS], model) / (world * GAS)
-                    chunk.backward()
-                    buffers[rank] = copy.deepcopy(dict(model.named_buffers()))
-                    loss = loss + chunk.detach()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}, buffers
 
-
-def _load_buffers(model: nn.Module, buffers: dict) -> None:
-    for name, b in model.named_buffers():
-        b.copy_(buffers[name])
+    ref = oracle.train_reference(model, case.optimizer(model), STEPS,
+                                 rank_loss if case.per_rank_reference else step_loss, clip=CLIP,
+                                 accumulation=world * GAS if case.per_rank_reference else 1, before_step=before_step)
+    return ref.losses, ref.params, buffers.per_rank
 
 
 def assert_matches(results, ref_losses, ref_state, ref_buffers=None, rtol=1e-5, atol=1e-6) -> None:

@@ -1,5 +1,5 @@
 """Pieces of the whole-tensor optimizer tests (Muon + AdamW, Adafactor): a tiny tied-embedding GPT,
-its data, the optimizers, and the plain single-process PyTorch reference."""
+its data, the optimizers, and the oracle's reference run of them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp.tools.models.gpt import GPT, GPTConfig, lm_loss
+from tests.oracle import train_reference
 
 # Tiny, tied, bias-free attention (STYLE.md: no parameter with an exactly-zero true gradient).
 # Odd widths so that whole-tensor shards are unequal and need padding at world sizes 2 and 3.
@@ -78,21 +79,14 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_run(name: str, steps: int) -> tuple[list[float], dict]:
-    """Plain PyTorch, one process, the global batch: losses and final parameters."""
-    model = make_gpt()
-    opts = make_optimizers(name, model)
-    opts = opts if isinstance(opts, list) else [opts]
-    losses = []
-    for step in range(steps):
+    """The oracle (tests/oracle.py) on this model and data: losses and final parameters."""
+    def step_loss(model, step: int) -> torch.Tensor:
         x, y = global_batch(step)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return lm_loss(model(x), y)
+
+    model = make_gpt()
+    ref = train_reference(model, make_optimizers(name, model), steps, step_loss, clip=CLIP)
+    return ref.losses, ref.params
 
 
 def config(stage: int, world: int, **zero) -> dict:

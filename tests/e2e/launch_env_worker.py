@@ -11,7 +11,6 @@ the node layout, the hpZ and MiCS groups' node view and the warnings zerodp logg
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -22,19 +21,11 @@ import torch.distributed as dist
 from zerodp import comm
 from zerodp.comm import topology
 from tests.dist import common
+from tests.logged_warnings import zerodp_warnings
 
 STEPS, MICRO_BS = 3, 2
 CONFIG = {"train_micro_batch_size_per_gpu": MICRO_BS, "gradient_clipping": 0.5,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_unit_min_params": 1}}
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def main(out: Path, deepspeed_port: int = 0) -> None:
@@ -43,14 +34,13 @@ def main(out: Path, deepspeed_port: int = 0) -> None:
         import zerodp.deepspeed as deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo", distributed_port=deepspeed_port)
-    warnings = _Collect()
-    logging.getLogger("zerodp").addHandler(warnings)
-    losses, params = common.zerodp_run(CONFIG, "adamw", STEPS, MICRO_BS)
-    result = {"rank": dist.get_rank(), "world": dist.get_world_size(), "losses": losses, "params": params,
-              "exported": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                          "MASTER_PORT", "LOCAL_WORLD_SIZE")},
-              "layout": tuple(topology.node_layout()), "world_crosses_nodes": topology.crosses_nodes(None),
-              "warnings": warnings.messages}
+    with zerodp_warnings() as warnings:
+        losses, params = common.zerodp_run(CONFIG, "adamw", STEPS, MICRO_BS)
+        result = {"rank": dist.get_rank(), "world": dist.get_world_size(), "losses": losses, "params": params,
+                  "exported": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT", "LOCAL_WORLD_SIZE")},
+                  "layout": tuple(topology.node_layout()), "world_crosses_nodes": topology.crosses_nodes(None),
+                  "warnings": warnings}
     torch.save(result, out / f"rank{dist.get_rank()}.pt")
     if dist.is_initialized():
         dist.destroy_process_group()  # DeepSpeed's init_distributed made it (comm.destroy_distributed: zerodp's own)

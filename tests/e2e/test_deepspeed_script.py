@@ -18,6 +18,8 @@ SCRIPT_DIR = Path(__file__).resolve().parent / "deepspeed_script"
 sys.path.insert(0, str(SCRIPT_DIR))
 import train_ds  # noqa: E402  (the script's own model and data, for the reference run)
 
+from tests.oracle import train_reference  # noqa: E402
+
 LR, WD, BETAS, EPS = 0.02, 0.1, (0.9, 0.95), 1e-8
 WARMUP, TOTAL = 2, 6
 
@@ -46,25 +48,26 @@ def schedule(t: int) -> float:
 
 
 def reference(world: int, micro: int, gas: int, steps: int):
-    """Plain PyTorch, one process, the global batch of each step (the ranks' DistributedSampler shards)."""
+    """The oracle (tests/oracle.py): plain PyTorch, one process, the global batch of each step (the ranks'
+    DistributedSampler shards), the lr of the schedule set before each step."""
     model, data = train_ds.make_model(), train_ds.make_data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()  # DistributedSampler
     shards = [perm[r::world] for r in range(world)]
-    losses, lrs = [], []
-    for step in range(steps):
+    lrs = []
+
+    def set_lr(model, opt, step: int) -> None:
         for group in opt.param_groups:
             group["lr"] = schedule(step - 1)
         lrs.append(opt.param_groups[0]["lr"])
+
+    def step_loss(model, step: int) -> torch.Tensor:
         idx = [i for r in range(world) for i in shards[r][step * gas * micro:(step + 1) * gas * micro]]
         x, y = data[idx]
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-    return losses, lrs, model
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    ref = train_reference(model, opt, steps, step_loss, clip=1.0, before_step=set_lr)
+    return ref.losses, lrs, model
 
 
 @pytest.mark.timeout(300)

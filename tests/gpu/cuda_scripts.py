@@ -25,6 +25,7 @@ def _train_beside_plain(engine, model, reference, result: dict, out: str) -> Non
     writes the losses and the largest relative difference of each final parameter to `out`."""
     import zerodp
     from tests.dist.common import global_batch, make_optimizer
+    from tests.oracle import train_reference
 
     losses = []
     for step in range(STEPS):
@@ -35,17 +36,12 @@ def _train_beside_plain(engine, model, reference, result: dict, out: str) -> Non
         losses.append(loss.item())
     with zerodp.gathered_parameters(model.parameters()):
         params = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
-    ref_opt = make_optimizer("adamw", reference)
-    ref_losses = []
-    for step in range(STEPS):
+    def step_loss(model, step: int) -> torch.Tensor:
         x, y = (t.cuda() for t in global_batch(step, ROWS))
-        loss = F.mse_loss(reference(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-    ref_params = {k: v.detach().float().cpu() for k, v in reference.state_dict().items()}
+        return F.mse_loss(model(x), y)
+
+    ref = train_reference(reference, make_optimizer("adamw", reference), STEPS, step_loss, clip=CLIP)
+    ref_losses, ref_params = ref.losses, {k: v.cpu() for k, v in ref.params.items()}
     result.update(losses=losses, ref_losses=ref_losses,
                   param_max_rel_diff={k: float(((params[k] - v).abs() / (v.abs() + 1e-6)).max())
                                       for k, v in ref_params.items()})

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import zerodp
 from tests.dist.common import global_batch, make_model, make_optimizer, mixed_precision_reference
+from tests.oracle import train_reference
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -26,18 +27,14 @@ BF16_RTOL = 8e-3
 
 
 def _fp32_reference() -> tuple[list[float], dict]:
-    ref = make_model().cuda()
-    ref_opt = make_optimizer("adamw", ref)
-    losses = []
-    for step in range(STEPS):
+    """The oracle on the GPU: the same model, data and clipping in plain PyTorch."""
+    def step_loss(model, step: int) -> torch.Tensor:
         x, y = (t.cuda() for t in global_batch(step, ROWS))
-        loss = F.mse_loss(ref(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().float().cpu() for k, v in ref.state_dict().items()}
+        return F.mse_loss(model(x), y)
+
+    ref = make_model().cuda()
+    result = train_reference(ref, make_optimizer("adamw", ref), STEPS, step_loss, clip=CLIP)
+    return result.losses, {k: v.cpu() for k, v in result.params.items()}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

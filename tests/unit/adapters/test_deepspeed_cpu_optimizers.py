@@ -14,6 +14,7 @@ import zerodp.deepspeed as deepspeed
 from zerodp.deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from zerodp.deepspeed.ops.adam import DeepSpeedCPUAdam
 from zerodp.deepspeed.ops.lion import DeepSpeedCPULion
+from tests.oracle import train_reference
 
 
 def _params():
@@ -76,11 +77,8 @@ def test_lion_on_zerodps_shards_equals_plain_pytorch(stage):
 
     data = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(k)), torch.randn(3, 2)) for k in range(3)]
     ref = model()
-    opt = DeepSpeedCPULion(ref.parameters(), lr=0.01, weight_decay=0.1)
-    for x, y in data:
-        F.mse_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_reference(ref, DeepSpeedCPULion(ref.parameters(), lr=0.01, weight_decay=0.1), len(data),
+                    lambda m, step: F.mse_loss(m(data[step][0]), data[step][1]))
     engine, *_ = deepspeed.initialize(model=model(), config={
         "train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": stage},
         "optimizer": {"type": "Lion", "params": {"lr": 0.01, "weight_decay": 0.1}}}, model_parameters=None)

@@ -19,6 +19,7 @@ from zerodp.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from zerodp.deepspeed.utils import set_z3_leaf_modules, z3_leaf_module
 from zerodp.deepspeed.utils.zero_to_fp32 import (get_fp32_state_dict_from_zero_checkpoint,
                                                  load_state_dict_from_zero_checkpoint)
+from tests.oracle import train_reference
 
 
 def _model() -> nn.Module:
@@ -97,10 +98,9 @@ def test_an_early_boundary_steps_the_partial_accumulation():
     """Accelerate ends an epoch's last accumulation early (sync_gradients at the loader's end): one micro-batch, then
     the boundary; the step uses that micro-batch's gradient divided by the accumulation steps, as DeepSpeed does."""
     ref = _model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     x, y = torch.randn(2, 6, generator=torch.Generator().manual_seed(7)), torch.randn(2, 3)
-    (F.mse_loss(ref(x), y) / 2).backward()
-    opt.step()
+    # one step of a 2-step accumulation whose second micro-batch never comes: its gradient divided by 2
+    train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=0.05), 1, lambda m, step: F.mse_loss(m(x), y) / 2)
     engine, _ = _engine(2)
     engine.set_gradient_accumulation_boundary(True)
     engine.backward(F.mse_loss(engine(x), y))

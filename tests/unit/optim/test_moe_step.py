@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import zerodp
 from tests.dist.moe_common import IN, OUT, ClassicMoE
+from tests.oracle import train_reference
 
 STEPS = 6
 
@@ -26,7 +27,8 @@ def test_moe_step_touches_only_routed_experts_and_equals_torch(stage):
     ref = ClassicMoE(width=32, experts=16, layers=1)
     model = ClassicMoE(width=32, experts=16, layers=1)
     model.load_state_dict(ref.state_dict())
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1), STEPS,
+                    lambda net, step: F.mse_loss(net(batch(step)[0]), batch(step)[1]))
     engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
                                {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
     sharded = engine.optimizer
@@ -47,9 +49,6 @@ def test_moe_step_touches_only_routed_experts_and_equals_torch(stage):
     used = []
     for step in range(STEPS):
         x, y = batch(step)
-        F.mse_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
         engine.backward(F.mse_loss(engine(x), y))
         engine.step()
         used.append(set(model.used_experts()[0]))
