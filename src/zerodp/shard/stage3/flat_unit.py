@@ -57,7 +57,7 @@ from ...offload.null_store import NullShardStore
 from ...offload.shard_store import ShardStore
 from .inference_cache import Residency
 from .params import owner_of, set_partitioned
-from .shard_group import ShardGroup
+from .shard_group import ShardGroup, UnitReduction
 
 
 class ShardState(Enum):
@@ -111,7 +111,7 @@ class FlatUnit:
         # offload.ShardStore, see [Note: gradient shards offloaded]) between uses.
         self.grads: Optional[GradShard] = GradShard(
             params, self.layout, self.shard_index, arithmetic or GradArithmetic(shards.data_parallel_world),
-            self._reduce, keep_full=False, name=f"{module_name}[{index}]",
+            UnitReduction(shards, self.describe(), self._ranges), keep_full=False, name=f"{module_name}[{index}]",
             home=None if persistent or whole_tensors else grad_home, round_views=round_views) if trainable else None
         self._gather_handle = None
         shards.ledger.register(index, f"'{module_name}' (flat unit {index}, {self.layout.numel} elements)")
@@ -269,10 +269,6 @@ class FlatUnit:
             self.drop_secondary()
 
     # -- gradients ---------------------------------------------------------------------------------
-
-    def _reduce(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> comm.Handle:
-        # on the shard group's reduce communicator and stream; always asynchronous there
-        return self.shards.reduce_scatter(output, full, what=self.describe(), ranges=self._ranges)
 
     def zero_grad(self) -> None:
         """Forget gradients after an optimizer step (or a skipped one)."""

@@ -64,6 +64,20 @@ class _StreamHandle:
         self._done = True
 
 
+class UnitReduction:
+    """The collective that sums one flat unit's gradient over the shard group (`ShardGroup.reduce_scatter` on its
+    reduce communicator and stream), passed down to the unit's gradient shard as the `reduce` it calls
+    (grads/grad_shard.py `ReduceFn`), as stage 0-2 buckets pass a `grads.grad_arithmetic.GradCollective`: the
+    shard calls the shard group, nothing calls back up into the flat unit."""
+
+    def __init__(self, shards: "ShardGroup", what: str, ranges=None) -> None:
+        self.shards, self.what, self.ranges = shards, what, ranges
+
+    def __call__(self, output: torch.Tensor, full: torch.Tensor, async_op: bool):
+        # always asynchronous on the reduce communicator (its own stream on CUDA): `async_op` is the caller's default
+        return self.shards.reduce_scatter(output, full, what=self.what, ranges=self.ranges)
+
+
 def _closer(ref: "weakref.ref[ShardGroup]"):
     def close_at_exit() -> None:
         shards = ref()
