@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 import zerodp
@@ -194,14 +195,38 @@ def _uneven_reference():
     return ref.losses, ref.params
 
 
-def _zerodp_uneven(overlap_comm: bool):
+def _checkpointed(model: nn.Module, use_reentrant: bool) -> nn.Module:
+    """Each block called under torch's activation checkpointing (its module hooks inside the checkpointed region):
+    re-entrant, the first forward runs without autograd and the block's backward is its recomputation's, whose end
+    the module unit sees on the recomputed inputs (module_unit.py)."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model.embed(x)
+        for block in model.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=use_reentrant)
+        return model.head(h)
+
+    model.forward = forward
+    return model
+
+
+def _zerodp_uneven(overlap_comm: bool, checkpointing: str):
     rank = dist.get_rank()
     model = make_moe()
+    if checkpointing != "none":
+        model = _checkpointed(model, use_reentrant=checkpointing == "reentrant")
     # a short collective timeout: the hang this guards against is then a watchdog error naming the collectives,
     # seconds in, rather than a test that never ends
     engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9),
                                {"zero_optimization": {"stage": 3, "overlap_comm": overlap_comm},
                                 "comm_timeout_s": 30})
+    queue, finish = engine.sharding.queue, engine.sharding.queue.finish
+    in_backward = []  # per step: each block unit's reductions launched before the end of backward
+
+    def recording_finish(*args, **kwargs):
+        in_backward.append({g.name: g.rounds_launched for g in queue.order if g.name.startswith("blocks.")})
+        return finish(*args, **kwargs)
+
+    queue.finish = recording_finish
     losses, used = [], []
     for step in range(UNEVEN_STEPS):
         x, y = _uneven_batch(step)
@@ -216,19 +241,25 @@ def _zerodp_uneven(overlap_comm: bool):
     with zerodp.gathered_parameters(model.parameters()):
         params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine.close()
-    return losses, params, used
+    return losses, params, used, in_backward
 
 
-@pytest.mark.parametrize("overlap_comm", [False, True])
-def test_a_unit_complete_on_one_rank_only_reduces_without_waiting_on_the_other(overlap_comm):
+@pytest.mark.parametrize("overlap_comm,checkpointing", [(False, "none"), (True, "none"), (False, "reentrant"),
+                                                         (True, "non-reentrant")])
+def test_a_unit_complete_on_one_rank_only_reduces_without_waiting_on_the_other(overlap_comm, checkpointing):
     """Rank 0 completes each block's unit during backward and used to wait on its reduction there (at once with
     overlap_comm false, after two with true), while rank 1, where an expert got no token, launched it only after
     the end-of-backward control collective: a hang (reduce_queue.py, [Note: waiting before the control
-    collective]). Now rank 1 launches it when the block's backward ends, and the result is the reference's."""
+    collective]). Now rank 1 launches it when the block's backward ends, and the result is the reference's, also
+    with the blocks under activation checkpointing (re-entrant: the backward's end is a recomputation's)."""
     ref_losses, ref_params = _uneven_reference()
-    results = harness.run(2, _zerodp_uneven, overlap_comm)
-    (_, _, used0), (_, _, used1) = results
+    results = harness.run(2, _zerodp_uneven, overlap_comm, checkpointing)
+    (_, _, used0, _), (_, _, used1, _) = results
     assert all(len(layer) == 8 for step in used0 for layer in step), f"rank 0 left an expert unused: {used0}"
     assert all(len(layer) < 8 for step in used1 for layer in step), f"rank 1 used every expert: {used1}"
-    for rank, (losses, params, _) in enumerate(results):
+    for rank, (_, _, _, in_backward) in enumerate(results):
+        # every block's reduction starts in backward on both ranks, rank 1's too (where the unit is never complete):
+        # memory stays bounded by the units in flight, not the whole model's gradients held to the end
+        assert all(step and all(n == 1 for n in step.values()) for step in in_backward), f"rank {rank}: {in_backward}"
+    for rank, (losses, params, _, _) in enumerate(results):
         assert_matches_reference(rank, losses, params, ref_losses, ref_params, "experts unused on rank 1 only")
