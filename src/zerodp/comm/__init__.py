@@ -6,7 +6,8 @@ chooses, formed from the launch environment read in one place (`launch_env.py`: 
 node layout from the hosts the ranks run on (`topology.py`).
 
 Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
-is re-exported here.
+is re-exported here. comm keeps no module state: what it remembers between calls is one `CommState`
+(`process_state.py`) that the engine's Runtime owns and installs.
 
 Modules:
     backend.py        Which torch.distributed backend a rank uses: NCCL where this process sees a GPU, gloo ...
@@ -19,6 +20,7 @@ Modules:
     module_device.py  The device a rank's model trains on, and moving a model built on the CPU there.
     pairwise.py       Reduce-scatter and all-gather as direct pairwise exchanges, for gloo: ...
     process_group.py  The default process group's life cycle: created from torchrun's environment, owned by its ...
+    process_state.py  CommState: everything comm remembers between calls, one object the engine's Runtime owns.
     quantize.py       Block-wise symmetric quantization: the arithmetic of ZeRO++'s quantized collectives (qwZ, qgZ).
     quantized.py      ZeRO++'s quantized collectives (Wang et al. 2023, arXiv 2306.10209), opt-in approximations:
     topology.py       Which node each rank runs on, and which collectives cross nodes.

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from . import process_state
+
 ProcessGroup = Optional[dist.ProcessGroup]
 
 REAL_COLLECTIVES_ENV = "ZERODP_REAL_COLLECTIVES"  # the user's switch: [Note: collectives at world size 1]
@@ -37,10 +39,6 @@ REAL_COLLECTIVES_ENV = "ZERODP_REAL_COLLECTIVES"  # the user's switch: [Note: co
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-# The Runtime's decision for world size 1 (zerodp/engine/runtime.py): None while no engine has made one.
-_real_collectives: Optional[bool] = None
 
 
 def real_collectives_requested() -> bool:
@@ -51,8 +49,8 @@ def real_collectives_requested() -> bool:
 def set_real_collectives(on: Optional[bool]) -> Optional[bool]:
     """Issue collectives at world size 1 (`on`), or skip them; None: no decision (the environment answers).
     Called by the Runtime only; returns the decision it replaces, so that close() can restore it."""
-    global _real_collectives
-    previous, _real_collectives = _real_collectives, on
+    state = process_state.current()  # the decision lives in the Runtime's CommState (process_state.py)
+    previous, state.real_collectives = state.real_collectives, on
     return previous
 
 
@@ -61,7 +59,8 @@ def issues_no_collectives(group: ProcessGroup = None) -> bool:
     on (the live engines' decision, see [Note: collectives at world size 1])."""
     if get_world_size(group) != 1:
         return False
-    real = real_collectives_requested() if _real_collectives is None else _real_collectives
+    decided = process_state.current().real_collectives
+    real = real_collectives_requested() if decided is None else decided
     return not (is_initialized() and real)
 
 
