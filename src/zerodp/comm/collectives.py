@@ -94,15 +94,19 @@ class CommLog:
 # done_at is when the collective finished, not when it was queued (a sync point, only while profiling).
 
 
+def _state() -> process_state.CommState:
+    return process_state.installed or process_state.current()  # current() raises where none is installed
+
+
 def add_observer(observer, sync_device_on_wait: bool = False) -> None:
     """Call `observer.issued(record, entry, skipped)` for every collective until `remove_observer`."""
-    state = process_state.current()
+    state = _state()
     state.observers.append(observer)
     state.sync_device_on_wait = state.sync_device_on_wait or sync_device_on_wait
 
 
 def remove_observer(observer) -> None:
-    state = process_state.current()
+    state = _state()
     if observer in state.observers:
         state.observers.remove(observer)
     state.sync_device_on_wait = state.sync_device_on_wait and bool(state.observers)
@@ -110,18 +114,18 @@ def remove_observer(observer) -> None:
 
 def observers() -> list:
     """The observers of every collective now (a copy)."""
-    return list(process_state.current().observers)
+    return list(_state().observers)
 
 
 def _device_done() -> None:
-    if process_state.current().sync_device_on_wait and torch.cuda.is_available():
+    if _state().sync_device_on_wait and torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
 def record() -> Iterator[CommLog]:
     """Record every collective issued inside the block (nesting allowed)."""
-    log, logs = CommLog(), process_state.current().logs
+    log, logs = CommLog(), _state().logs
     logs.append(log)
     try:
         yield log
@@ -132,7 +136,7 @@ def record() -> Iterator[CommLog]:
 def _log(op: str, impl: str, tensor: torch.Tensor, tag: str, group: ProcessGroup = None,
          what: str = "") -> watchdog.Entry:
     """Record a collective (record() logs, flight recorder); under debug_sync, check ranks agree first."""
-    state = process_state.current()
+    state = _state()
     if state.logs or state.observers:
         rec = CommRecord(op, impl, tensor.numel(), tensor.dtype, tag, topology.crosses_nodes(group))
     for log in state.logs:

@@ -66,7 +66,7 @@ def host_name() -> str:
 
 class _Hosts(NamedTuple):
     """Global rank -> host, learned under one default group (a new default group forgets it). `world` is the
-    default group's id(), not the group: a module global holding the group would keep it alive past its destroy,
+    default group's id(), not the group: a field holding the group would keep it alive past its destroy,
     and gloo aborts at interpreter exit when a group outlives its owner (tests/e2e/teardown_check.py). Kept in the
     Runtime's CommState (`hosts`, process_state.py): a fact about the running job, not configuration."""
     world: int

@@ -19,13 +19,13 @@ path, the others wait inside the backend (gloo's default is 30 minutes) and prin
   every rank raises `DivergenceError` naming what each rank was about to do. It costs one extra
   collective per collective: a debugging aid, off by default.
 
-The watchdog's state (settings, flight recorder, waits, thread) is one `Watchdog` object held by the process's
-`CommState` (process_state.py), which the Runtime (zerodp/engine/runtime.py) owns; the functions below act on
-`process_state.current().watchdog`. The Runtime puts an engine's settings (timeout, debug_sync, rank) and its
-`Activity` in force while that engine runs a call (forward, backward, step, a checkpoint), the newest live
-engine's between calls, and the settings from before the first engine once the last one is closed. Each entry
-keeps the timeout in force when it was issued, so two engines with different comm_timeout_s each have their
-collectives watched with their own.
+The watchdog's state (its own settings, flight recorder, waits, thread) is one `Watchdog` object held by the
+process's `CommState` (process_state.py), which the Runtime (zerodp/engine/runtime.py) owns; the functions below
+act on the installed one. The settings (timeout, debug_sync, rank) and the `Activity` in force are the running
+engine's (each engine's own while it runs a call: forward, backward, step, a checkpoint), the newest live
+engine's between calls, and the watchdog's own (the environment's) with no engine. Each entry keeps the settings
+in force when it was issued, so two engines with different comm_timeout_s each have their collectives watched
+with their own.
 """
 
 from __future__ import annotations
@@ -80,7 +80,11 @@ class Entry:
     issued_at: float = field(default_factory=time.monotonic)
     state: str = "issued"   # issued | waiting | in flight (NCCL: on the device after the host's wait) | done
     done_at: Optional[float] = None  # time.monotonic() when the host wait returned (comms_logger's latency)
-    timeout_s: Optional[float] = None  # the comm_timeout_s in force when it was issued (None: the watchdog's now)
+    settings: Optional[Settings] = None  # those in force when it was issued (None: the watchdog's own, when read)
+
+    @property
+    def timeout_s(self) -> Optional[float]:
+        return None if self.settings is None else self.settings.timeout_s
 
     def describe(self) -> str:
         target = f" of {self.what}" if self.what else ""
@@ -109,13 +113,12 @@ class Settings(NamedTuple):
 
 
 class Watchdog:
-    """The watchdog's state: the settings in force, the activity they describe, the flight recorder, the waits and
+    """The watchdog's state: its settings and activity outside every engine, the flight recorder, the waits and
     tracked collectives, and the thread that watches them. One per `CommState` (process_state.py)."""
 
     def __init__(self) -> None:
-        self.settings = Settings.resolve()  # the environment's, until an engine's are put in force
-        self.default_activity = Activity()  # what the activity is outside every engine
-        self.activity = self.default_activity  # the in-force engine's (the Runtime swaps it)
+        self.settings = Settings.resolve()  # outside every engine: the environment's
+        self.activity = Activity()  # outside every engine (zero.Init, a script calling zerodp.comm)
         self.recorder: collections.deque[Entry] = collections.deque(maxlen=RECORDER_SIZE)
         self.seq = 0
         self.waits: dict[int, tuple[float, Entry]] = {}  # thread id -> (since, entry)
@@ -124,11 +127,12 @@ class Watchdog:
         self.thread: Optional[threading.Thread] = None
         self.stop_event = threading.Event()  # set by stop(): the current thread's signal to end
 
-    def issue(self, op: str, tag: str, numel: int, dtype, group_name: str, what: str = "") -> Entry:
+    def issue(self, op: str, tag: str, numel: int, dtype, group_name: str, what: str, settings: Settings,
+              activity: Activity) -> Entry:
         with self.lock:
             self.seq += 1
             entry = Entry(self.seq, op, tag, int(numel), str(dtype).removeprefix("torch."), group_name, what,
-                          self.activity.describe(), timeout_s=self.settings.timeout_s)
+                          activity.describe(), settings=settings)
             self.recorder.append(entry)
         return entry
 
@@ -169,47 +173,54 @@ class Watchdog:
                 self.in_flight[:] = pending + self.in_flight[len(in_flight):]
             if found is not None:
                 since, entry = found
-                limit = timeout if entry.timeout_s is None else entry.timeout_s
+                issued = self.settings if entry.settings is None else entry.settings
                 where = "in collective" if entry.state == "waiting" else "for the device to complete collective"
-                sys.stderr.write(report(f"waited {now - since:.0f} s (comm_timeout_s={limit:g}) {where} "
-                                        f"{entry.describe()}; exiting with code {EXIT_CODE}", self.settings.rank, self)
+                sys.stderr.write(report(f"waited {now - since:.0f} s (comm_timeout_s={issued.timeout_s:g}) {where} "
+                                        f"{entry.describe()}; exiting with code {EXIT_CODE}", issued.rank, self)
                                  + "\n")
                 sys.stderr.flush()
                 os._exit(EXIT_CODE)
 
 
 def _dog() -> Watchdog:
-    return process_state.current().watchdog
+    return (process_state.installed or process_state.current()).watchdog
 
 
 def apply(settings: Settings) -> Settings:
-    """Make `settings` the ones in force (the Runtime's call); returns the ones they replace."""
+    """Make `settings` the watchdog's own, in force outside every engine; returns the ones they replace."""
     dog = _dog()
     previous, dog.settings = dog.settings, settings
     return previous
 
 
 def settings() -> Settings:
-    return _dog().settings
+    """The settings in force: the running (else the newest live) engine's, or the watchdog's own."""
+    state = process_state.installed or process_state.current()
+    return state.watchdog.settings if state.engine is None else state.engine.watchdog
 
 
 def timeout_s() -> float:
-    return _dog().settings.timeout_s
+    return settings().timeout_s
 
 
 def debug_sync_enabled() -> bool:
-    return _dog().settings.debug_sync
+    return settings().debug_sync
 
 
 def activity() -> Activity:
-    """What the engine running now is doing (the newest live engine's between calls): the stage-3 hooks set
-    its unit."""
-    return _dog().activity
+    """What the engine running now is doing (the newest live engine's between calls; the watchdog's own outside
+    every engine): the stage-3 hooks set its unit."""
+    state = process_state.installed or process_state.current()
+    return state.watchdog.activity if state.engine is None else state.engine.activity
 
 
 def issue(op: str, tag: str, numel: int, dtype, group_name: str, what: str = "") -> Entry:
-    """Record a collective as issued, with the timeout in force now; returns its flight-recorder entry."""
-    return _dog().issue(op, tag, numel, dtype, group_name, what)
+    """Record a collective as issued, with the settings in force now; returns its flight-recorder entry."""
+    state = process_state.installed or process_state.current()
+    dog, engine = state.watchdog, state.engine
+    if engine is None:
+        return dog.issue(op, tag, numel, dtype, group_name, what, dog.settings, dog.activity)
+    return dog.issue(op, tag, numel, dtype, group_name, what, engine.watchdog, engine.activity)
 
 
 @contextlib.contextmanager

@@ -21,13 +21,15 @@ Five things belong to the process, not to any one engine:
   newest live engine's section is in force, and the last engine out removes it (a `configure` call's stays).
 
 Each engine takes a lease when it starts (`RUNTIME.lease(config, rank, process_group)`) and gives it back in
-close(); an engine dropped without close() (garbage collected) counts as gone, silently. Which lease's settings
-(watchdog, real collectives, activity) are in force: while an engine runs a call (`with lease.in_force():`
-around its forward, backward, step and checkpoint calls), that engine's; between calls, the newest live lease's;
-with no lease left, those from before the first lease. So two engines with different comm_timeout_s each have
-their own collectives watched with their own timeout. The last lease out also stops the watchdog thread,
-restores the allocator and destroys a default group zerodp created. So engines can be built, stepped side by
-side and closed in any order, and closing one changes nothing the others use.
+close(); an engine dropped without close() (garbage collected) counts as gone, silently. Each lease holds its
+engine's `EngineComm` (comm/process_state.py: its watchdog settings, its world-size-1 decision, its activity), and
+which one is in force over the process's own settings is `RUNTIME.comm.engine`: while an engine runs a call (its
+forward, backward, step, checkpoint calls: zero_engine.py `_under_lease`, or `with lease.in_force():`), that
+engine's; between calls, the newest live lease's; with no lease left, none, so the settings from before the first
+lease are in force again with nothing to restore. So two engines with different comm_timeout_s each have their
+own collectives watched with their own timeout. The last lease out also stops the watchdog thread, restores the
+allocator and destroys a default group zerodp created. So engines can be built, stepped side by side and closed
+in any order, and closing one changes nothing the others use.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from .. import activations, comm, host_memory
 from ..comm import process_state, watchdog
-from ..comm.process_state import CommState
+from ..comm.process_state import CommState, EngineComm
 from ..config.activation_checkpointing import ActivationCheckpointingConfig
 
 
@@ -73,23 +75,22 @@ class Lease:
     settings: RuntimeSettings
     closed: bool = False
     holder: Optional[Callable[[], Any]] = None  # a weak reference to the engine, once it exists
-    activity: watchdog.Activity = field(default_factory=watchdog.Activity)  # what this engine is doing
+    comm: Optional[EngineComm] = None  # the engine's settings for comm, and its activity (made in __post_init__)
+
+    def __post_init__(self) -> None:
+        if self.comm is None:
+            self.comm = EngineComm(self.settings.watchdog, self.settings.real_collectives, watchdog.Activity())
 
     @contextlib.contextmanager
     def in_force(self) -> Iterator[None]:
         """Run one engine call under this lease's settings and activity; the ones in force before come back
-        after (a few attribute writes each way; nested calls of the same engine write nothing)."""
-        running = self.runtime.running
-        if self.closed or (running and running[-1] is self):
-            yield
-            return
-        running.append(self)
-        self.runtime.put_in_force(self)
+        after. (ZeroEngine's calls do the same two writes inline: zero_engine.py `_under_lease`.)"""
+        state = self.runtime.comm
+        outer, state.engine = state.engine, self.comm
         try:
             yield
         finally:
-            running.remove(self)
-            self.runtime.put_in_force(self.runtime.in_force())
+            state.engine = outer
 
     def held_by(self, engine: Any) -> None:
         """The engine this lease belongs to: once it is garbage collected, the lease no longer counts."""
@@ -111,9 +112,6 @@ class Runtime:
 
     leases: list[Lease] = field(default_factory=list)
     comm: CommState = field(default_factory=CommState)  # comm's state (comm/process_state.py)
-    running: list[Lease] = field(default_factory=list)  # the leases of engines inside a call, innermost last
-    # the process's settings before the first live lease, restored when the last one is given back
-    _before: Optional[tuple[watchdog.Settings, Optional[bool]]] = None
 
     def install(self) -> Optional[CommState]:
         """Make this Runtime's CommState the one `comm` uses; returns the one it replaces."""
@@ -128,11 +126,9 @@ class Runtime:
         if settings.checkpointing is not None:  # first: an invalid section leaves the process as it was
             activations.PROCESS.check(settings.checkpointing)
         self._forget_dropped()
-        if not self.leases:
-            self._before = (self.comm.watchdog.settings, self.comm.real_collectives)
         held = Lease(self, settings)
         self.leases.append(held)
-        self.put_in_force(held)  # the engine is built under its own settings
+        self.comm.engine = held.comm  # the newest engine's settings are in force (it is built under them)
         if settings.checkpointing is not None:  # DeepSpeed's section: the process's checkpointing
             activations.PROCESS.adopt(settings.checkpointing)
         return held
@@ -144,8 +140,8 @@ class Runtime:
             return
         self.leases.remove(held)
         self._forget_dropped()
+        self.comm.engine = self.leases[-1].comm if self.leases else None  # none left: the process's own settings
         if self.leases:
-            self.put_in_force(self.in_force())
             sections = [held.settings.checkpointing for held in self.leases if held.settings.checkpointing is not None]
             if sections:
                 activations.PROCESS.adopt(sections[-1])  # the newest live engine's section
@@ -156,31 +152,11 @@ class Runtime:
             comm.destroy_distributed()  # zerodp created it and no engine is left to use it
         self.comm.watchdog.stop()  # started again by the next wait, if any
         host_memory.restore_malloc_defaults()  # offload's mallopt: [Note: freed memory that stays resident]
-        settings, real = self._before
-        self.comm.watchdog.settings, self.comm.real_collectives = settings, real
-        self.comm.watchdog.activity = self.comm.watchdog.default_activity
         activations.PROCESS.give_back()  # the engines' checkpointing section; a configure() call's stays
-        self._before = None
 
     def _forget_dropped(self) -> None:
         # engines garbage collected without close(): a script that let its engine go, a test that did not close
         self.leases = [held for held in self.leases if held.alive]
-
-    def in_force(self) -> Optional[Lease]:
-        """The lease whose settings are in force: the innermost running engine's, else the newest live one's
-        (None: no lease; the settings from before the first are back)."""
-        if self.running:
-            return self.running[-1]
-        self._forget_dropped()
-        return self.leases[-1] if self.leases else None
-
-    def put_in_force(self, held: Optional[Lease]) -> None:
-        """Write `held`'s settings and activity into comm's state (None: nothing to write: the last lease out
-        restored the process)."""
-        if held is not None:
-            self.comm.watchdog.settings = held.settings.watchdog
-            self.comm.real_collectives = held.settings.real_collectives
-            self.comm.watchdog.activity = held.activity
 
     def backend_timeout_s(self, config: Any) -> float:
         """The process group's own timeout for an engine with `config`: it only backs the watchdog up,

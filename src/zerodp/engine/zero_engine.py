@@ -54,12 +54,18 @@ log = logging.getLogger("zerodp")
 
 
 def _under_lease(method):
-    """Run an engine call with this engine's process-wide settings in force (its comm_timeout_s, debug_sync,
-    real collectives and activity: runtime.py), so that two engines stepped side by side each have their own."""
+    """Run an engine call with this engine's settings for comm in force (its comm_timeout_s, debug_sync, real
+    collectives and activity: runtime.py), so that two engines stepped side by side each have their own; the
+    settings in force before come back after. `Lease.in_force()`'s two writes, inline: one attribute each way,
+    and no call into another module on every forward, backward and step."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        with self._lease.in_force():
+        state = self._lease.runtime.comm
+        outer, state.engine = state.engine, self._lease.comm
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            state.engine = outer
     return call
 
 
@@ -80,7 +86,8 @@ class ZeroEngine:
         # process-wide settings (watchdog, real collectives, default group, allocator): runtime.py; close() gives back
         self._lease = lease if lease is not None else RUNTIME.lease(config, self.rank, process_group)
         self._lease.held_by(self)
-        self._lease.activity.enter("setup")
+        self._activity = self._lease.comm.activity  # what this engine is doing, for the watchdog's reports
+        self._activity.enter("setup")
         check_same_model(model, process_group)
         config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config/auto.py)
         self.stage = config.stage
@@ -158,7 +165,7 @@ class ZeroEngine:
         """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
         if self.precision.mixed and self.cast_inputs:
             args, kwargs = cast_floats((args, kwargs), self.precision.param_dtype)
-        self._lease.activity.enter("forward")
+        self._activity.enter("forward")
         self.monitor.before_forward(self.global_step)
         with self._timed("forward"), \
                 contextlib.nullcontext() if self.autocast is None else self.autocast.forward(self.module):
@@ -204,10 +211,10 @@ class ZeroEngine:
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         if self.monitor.writers or self.monitor.flops_profiler is not None:  # nothing to tell an idle monitor
             self.monitor.on_backward(loss)
-        self._lease.activity.enter("backward")
+        self._activity.enter("backward")
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            self._lease.activity.enter("reduce")
+            self._activity.enter("reduce")
             self._received = self.sharding.finish_micro_step(boundary)
         self._backward_since_step = True
 
@@ -221,10 +228,10 @@ class ZeroEngine:
         if boundary and self._boundary_override is not None:  # count whole accumulations (at_step_boundary)
             self.micro_step = -(-self.micro_step // self.gradient_accumulation_steps) * self.gradient_accumulation_steps
         self._backward_since_step = False
-        self._lease.activity.micro_step = self.micro_step
+        self._activity.micro_step = self.micro_step
         if not boundary:
             return
-        self._lease.activity.enter("optimizer step")
+        self._activity.enter("optimizer step")
         check_hyperparameters(self.optimizer.param_groups)  # a schedule may have produced a NaN lr
         with self._timed("step"):
             self.sync_written_shards()
@@ -232,7 +239,7 @@ class ZeroEngine:
             if outcome is StepOutcome.NONFINITE:
                 self._on_nonfinite()  # raises under `nonfinite: stop`, before the gradients are dropped
             if outcome is StepOutcome.STEPPED:
-                self._lease.activity.enter("after-step gather")
+                self._activity.enter("after-step gather")
                 self.sharding.after_step()  # re-assemble full parameters from the updated shards
             for unit in self.units:
                 unit.zero_grad()
@@ -242,7 +249,7 @@ class ZeroEngine:
         self.global_step += 1
         if self.stage == 3 and self.global_step % TRIM_INTERVAL_STEPS == 0:
             release_free_memory()  # stage 3's gather/free churn leaves holes malloc keeps: [Note: heap trimming] in host_memory.py
-        self._lease.activity.global_step = self.global_step
+        self._activity.global_step = self.global_step
         if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
             self.lr_scheduler.step()
         self._maybe_log()
@@ -353,7 +360,7 @@ class ZeroEngine:
         """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path.
         `deepspeed_layout=True` also writes DeepSpeed's ZeRO files into it (stages 1-3, no tensor parallelism), for
         DeepSpeed's tools and DeepSpeed itself (checkpoint/deepspeed_writer.py, docs/checkpoints.md)."""
-        self._lease.activity.enter("checkpoint")
+        self._activity.enter("checkpoint")
         self.sync_written_shards()
         if self.expert_parallel:  # whole tensors named as in the single-process model: moe/checkpoint.py
             from ..moe.checkpoint import save_expert_checkpoint
@@ -373,7 +380,7 @@ class ZeroEngine:
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
         `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
-        self._lease.activity.enter("checkpoint")
+        self._activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
         if self.expert_parallel:  # any expert-parallel or data-parallel size: moe/checkpoint.py
             from ..moe.checkpoint import load_expert_checkpoint
@@ -401,7 +408,7 @@ class ZeroEngine:
         """Write model and optimizer state as a torch distributed checkpoint (DCP) in folder `path`, in the keys
         FSDP2's get_state_dict uses (checkpoint/dcp.py); every rank writes only its own shard."""
         self._refuse_dcp_with_tensor_parallel()
-        self._lease.activity.enter("checkpoint")
+        self._activity.enter("checkpoint")
         self.sync_written_shards()
         return save_dcp(self, path, model_key=model_key)
 
@@ -413,7 +420,7 @@ class ZeroEngine:
         scaler and (unless `load_lr_scheduler=False`) the lr schedule; from another writer's the global step is
         torchtitan's train_state.step, else the largest Adam step, and the schedule is left as it is."""
         self._refuse_dcp_with_tensor_parallel()
-        self._lease.activity.enter("checkpoint")
+        self._activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
         resumed = read_dcp(self, path, load_optimizer=load_optimizer, model_key=model_key,
                            load_lr_scheduler=load_lr_scheduler)

@@ -46,9 +46,10 @@ def runtime():
 
 
 def _in_force(state: process_state.CommState) -> tuple:
-    """What a lease puts in force in comm's state, and the watchdog's thread and tracked collectives."""
+    """What is in force in comm's state (as comm's own functions read it), and the watchdog's thread and tracked
+    collectives."""
     dog = state.watchdog
-    return (dog.settings, state.real_collectives, dog.activity is dog.default_activity,
+    return (watchdog.settings(), comm.issues_no_collectives(), watchdog.activity() is dog.activity,
             dog.thread is not None and dog.thread.is_alive(), len(dog.in_flight))
 
 
@@ -80,13 +81,12 @@ def test_an_engine_on_its_own_group_leaves_the_default_group_alone(destroyed, ru
 
 
 def test_real_collectives_are_read_once_per_engine(destroyed, monkeypatch, runtime):
-    before = runtime.comm.real_collectives
     monkeypatch.setenv(comm.REAL_COLLECTIVES_ENV, "1")
     lease = runtime.lease(_config(60.0), rank=0)
     monkeypatch.setenv(comm.REAL_COLLECTIVES_ENV, "0")  # a live engine keeps the decision it was built with
-    assert runtime.comm.real_collectives is True
+    assert runtime.comm.engine.real_collectives is True
     lease.close()
-    assert runtime.comm.real_collectives is before is None  # the decision from before this engine is back
+    assert runtime.comm.engine is None and runtime.comm.real_collectives is None  # the environment answers again
 
 
 def test_an_engine_dropped_without_close_no_longer_counts(destroyed, runtime):
@@ -94,12 +94,14 @@ def test_an_engine_dropped_without_close_no_longer_counts(destroyed, runtime):
         pass
 
     dropped = Engine()
+    before = watchdog.settings()
     runtime.lease(_config(111.0), rank=0).held_by(dropped)
-    kept = runtime.lease(_config(222.0), rank=0)
     del dropped
     gc.collect()
-    kept.close()  # the dropped engine's lease is forgotten: this is the last one out
+    kept = runtime.lease(_config(222.0), rank=0)  # the dropped engine's lease is forgotten here
+    kept.close()  # this is the last one out
     assert runtime.leases == [] and destroyed == ["destroyed"]
+    assert watchdog.settings() == before  # not the dropped engine's: the settings from before the first lease
 
 
 def test_the_last_engine_out_restores_the_allocator(destroyed, runtime):
@@ -181,36 +183,43 @@ def test_after_the_last_engine_out_the_watchdog_and_collectives_are_as_before(de
     """Two leases change the watchdog's settings, the activity, the world-size-1 decision and start the watchdog's
     thread; once both are closed, comm's state is exactly what it was before the first (nothing leaks)."""
     before = _in_force(runtime.comm)
-    assert before == (watchdog.Settings.resolve(), None, True, False, 0)
+    assert before == (watchdog.Settings.resolve(), True, True, False, 0) and runtime.comm.engine is None
     monkeypatch.setenv(comm.REAL_COLLECTIVES_ENV, "1")
     a = runtime.lease(_config(111.0, debug_sync=True), rank=0)
     b = runtime.lease(_config(222.0), rank=0)
     with watchdog.waiting(watchdog.issue("all_gather", "param", 8, "float32", "world")):  # starts the thread
         pass
     watchdog.track(watchdog.issue("all_gather", "param", 8, "float32", "world"), lambda: False)
-    assert _in_force(runtime.comm) == (b.settings.watchdog, True, False, True, 1)
+    assert _in_force(runtime.comm) == (b.settings.watchdog, True, False, True, 1)  # no group: still identities
+    assert runtime.comm.engine.real_collectives is True
     b.close()
     assert _in_force(runtime.comm)[:3] == (a.settings.watchdog, True, False)
     a.close()
+    monkeypatch.delenv(comm.REAL_COLLECTIVES_ENV)
     assert _in_force(runtime.comm) == before
-    assert runtime.running == [] and runtime.leases == []
+    assert runtime.comm.engine is None and runtime.leases == []
 
 
 def test_two_engines_with_different_timeouts_each_see_their_own(destroyed, runtime):
     """While an engine runs a call its lease is in force: its comm_timeout_s, debug_sync and activity, stamped on
     every collective it issues; between calls the newest engine's; nested calls come back in order."""
     a, b = runtime.lease(_config(111.0), rank=0), runtime.lease(_config(222.0, debug_sync=True), rank=0)
-    assert watchdog.timeout_s() == 222.0 and watchdog.activity() is b.activity  # between calls: the newest
+    assert watchdog.timeout_s() == 222.0 and watchdog.activity() is b.comm.activity  # between calls: the newest
     with a.in_force():
         assert watchdog.timeout_s() == 111.0 and not watchdog.debug_sync_enabled()
-        assert watchdog.activity() is a.activity
+        assert watchdog.activity() is a.comm.activity
         from_a = watchdog.issue("all_reduce", "grad", 4, "float32", "world")
         with b.in_force():  # an engine called from inside another's call
             from_b = watchdog.issue("all_reduce", "grad", 4, "float32", "world")
             assert watchdog.debug_sync_enabled()
         assert watchdog.timeout_s() == 111.0  # back to the outer engine's
+        with b.in_force():
+            with a.in_force():  # A inside B inside A: each exit brings back the one around it
+                assert watchdog.timeout_s() == 111.0
+            assert watchdog.timeout_s() == 222.0
+        assert watchdog.timeout_s() == 111.0
     assert (from_a.timeout_s, from_b.timeout_s) == (111.0, 222.0)
-    assert watchdog.timeout_s() == 222.0 and runtime.running == []
+    assert watchdog.timeout_s() == 222.0  # between calls: the newest again
     b.close()
     assert watchdog.timeout_s() == 111.0  # the one left
     a.close()
@@ -219,7 +228,8 @@ def test_two_engines_with_different_timeouts_each_see_their_own(destroyed, runti
 def test_the_watchdog_holds_each_collective_to_its_own_timeout():
     """A wait of engine A (timeout 10 s) is stalled after 50 s while one of engine B (100 s) is not."""
     def entry(timeout_s):
-        return watchdog.Entry(1, "all_gather", "param", 8, "float32", "world", "", "", timeout_s=timeout_s)
+        return watchdog.Entry(1, "all_gather", "param", 8, "float32", "world", "", "",
+                              settings=watchdog.Settings(timeout_s, False, 0))
 
     short, long_ = entry(10.0), entry(100.0)
     found, _ = watchdog.find_stalled(150.0, 600.0, [(100.0, long_), (100.0, short)], [])
@@ -252,7 +262,7 @@ def test_engines_stepped_side_by_side_each_run_under_their_own_settings(runtime)
         engine.backward(F.mse_loss(engine(torch.ones(2, 3)), torch.zeros(2, 2)))
         engine.step()
         assert model.seen == (timeout_s, "forward")
-    assert a._lease.activity.global_step == 2 and b._lease.activity.global_step == 1  # each engine's own count
+    assert a._lease.comm.activity.global_step == 2 and b._lease.comm.activity.global_step == 1  # each engine's own count
     a.close()
     b.close()
     assert _in_force(runtime.comm) == before and not collectives.observers()
