@@ -34,13 +34,13 @@ from .process_group import destroy_distributed, destroy_group, init_distributed,
 from .group import (REAL_COLLECTIVES_ENV, ProcessGroup, backend_name, get_rank, get_world_size, is_initialized,
                     issues_no_collectives,
                     real_collectives_requested, skips_collectives, wait_blocks_host)
-from .collectives import (CommLog, CommRecord, Handle, add_observer, remove_observer, all_gather, all_to_all,
+from .collectives import (CommLog, CommRecord, Handle, add_observer, observers, remove_observer, all_gather, all_to_all,
                           chunk_ranges, all_gather_object, all_reduce, all_reduce_max_flag, broadcast, record,
                           reduce_scatter)
 from .uneven import all_gather_uneven, reduce_scatter_uneven
 
 __all__ = ["launch_env", "topology", "watchdog", "default_backend", "gloo_serves_cpu", "nccl_usable", "usable_backend", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "Handle", "ProcessGroup",
-           "add_observer", "remove_observer", "all_gather", "all_to_all", "chunk_ranges", "all_gather_uneven", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
+           "add_observer", "observers", "remove_observer", "all_gather", "all_to_all", "chunk_ranges", "all_gather_uneven", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
            "destroy_distributed", "destroy_group", "get_rank", "get_world_size", "init_distributed", "is_initialized", "issues_no_collectives", "new_group_like",
            "owns_default_group", "real_collectives_requested", "record", "reduce_scatter", "reduce_scatter_uneven",
            "skips_collectives", "wait_blocks_host"]
