@@ -42,11 +42,11 @@ class EngineComm:
 
 @dataclass(eq=False)
 class CommState:
-    """What `comm` remembers between calls (see the module docstring for which module uses which field)."""
+    """What `comm` remembers between calls (see the module docstring for which module uses which field). Made by
+    the Runtime, `CommState(Watchdog())`: watchdog.py reads this module, so this one does not import it."""
 
-    # watchdog.py: the settings outside every engine, the flight recorder, the waits and the thread (made in
-    # __post_init__)
-    watchdog: "Watchdog" = None  # type: ignore[assignment]
+    # watchdog.py: the settings outside every engine, the flight recorder, the waits and the thread
+    watchdog: "Watchdog"
     # group.py: the decision on collectives at world size 1 outside every engine; None: the environment answers
     real_collectives: Optional[bool] = None
     # the engine whose settings are in force over the two above (see the module docstring); None: none
@@ -68,12 +68,6 @@ class CommState:
     local_pool: Any = None
     # elastic_attempt.py: this process's attempt of an elastic job, once agreed (a process is in one attempt)
     elastic_attempt: Any = None
-
-    def __post_init__(self) -> None:
-        if self.watchdog is None:
-            from .watchdog import Watchdog  # watchdog.py reads current() at call time: imported here, not above
-
-            self.watchdog = Watchdog()
 
 
 # The one module-level name of comm's state: the installed CommState (the Runtime's; see the module docstring).

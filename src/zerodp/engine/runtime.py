@@ -111,7 +111,7 @@ class Runtime:
     """The process's zerodp state and the live leases on it (one instance: `RUNTIME`)."""
 
     leases: list[Lease] = field(default_factory=list)
-    comm: CommState = field(default_factory=CommState)  # comm's state (comm/process_state.py)
+    comm: CommState = field(default_factory=lambda: CommState(watchdog.Watchdog()))  # comm/process_state.py
 
     def install(self) -> Optional[CommState]:
         """Make this Runtime's CommState the one `comm` uses; returns the one it replaces."""

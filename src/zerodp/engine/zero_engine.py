@@ -54,10 +54,8 @@ log = logging.getLogger("zerodp")
 
 
 def _under_lease(method):
-    """Run an engine call with this engine's settings for comm in force (its comm_timeout_s, debug_sync, real
-    collectives and activity: runtime.py), so that two engines stepped side by side each have their own; the
-    settings in force before come back after. `Lease.in_force()`'s two writes, inline: one attribute each way,
-    and no call into another module on every forward, backward and step."""
+    """Run an engine call under this engine's settings for comm (comm_timeout_s, debug_sync, real collectives,
+    activity: runtime.py), then those from before: `Lease.in_force()`'s two writes, inline (no call out per step)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         state = self._lease.runtime.comm

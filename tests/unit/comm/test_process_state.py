@@ -76,7 +76,7 @@ def test_importing_zerodp_installs_the_runtimes_state():
 def test_a_fresh_state_shares_nothing_with_the_one_it_replaces():
     process = process_state.current()
     process.warned.add("seen")
-    fresh = process_state.CommState()
+    fresh = process_state.CommState(watchdog.Watchdog())
     previous = process_state.install(fresh)
     try:
         assert previous is process
