@@ -120,7 +120,9 @@ def release_free_memory() -> bool:
 
 
 # Whether map_large_buffers is in effect: process state of the C library, mirrored here because glibc
-# cannot be asked for its threshold. Changed only by the two functions below.
+# cannot be asked for its threshold. Changed only by the two functions below. A module global on purpose, not a
+# field of the engine's Runtime: it mirrors the C library's one setting per process (two objects could not hold
+# two values of it), and this leaf module is below every package; the Runtime's last lease out restores it.
 _mapped_threshold: Optional[int] = None
 
 

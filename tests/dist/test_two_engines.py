@@ -2,7 +2,8 @@
 and engine B (stage 3, another model, SGD with momentum) step side by side on 2 gloo ranks; A is closed while
 B trains on. Each equals its own plain-PyTorch reference (losses and parameters), and the process-wide state
 is given back in order (zerodp/engine/runtime.py): A's close() leaves the default group and the watchdog settings B
-uses; B's close(), the last, destroys the default group zerodp created and restores the settings of before.
+uses; B's close(), the last, destroys the default group zerodp created and restores the settings of before. While
+the two step side by side, every collective each engine issues is watched with that engine's own comm_timeout_s.
 
 The ranks are launched as torchrun launches them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so that
 `zerodp.initialize` creates the default group itself: the case where closing A used to destroy the group
@@ -52,13 +53,16 @@ def reference_b() -> tuple[list[float], dict]:
     return ref.losses, ref.params
 
 
-def _step(engine, step: int) -> float:
-    """One optimizer step on this rank's micro-batch; the global-mean loss."""
+def _step(engine, step: int, timeouts: set) -> float:
+    """One optimizer step on this rank's micro-batch; the global-mean loss. `timeouts` gets the comm_timeout_s
+    of every collective the step issued (the flight recorder's entries)."""
+    issued_before = watchdog.recent()[-1].seq if watchdog.recent() else 0
     rank = dist.get_rank()
     x, y = micro_batch(step, 0, rank, WORLD, MICRO_BS, 1)
     loss = F.mse_loss(engine(x), y)
     engine.backward(loss)
     engine.step()
+    timeouts.update(e.timeout_s for e in watchdog.recent() if e.seq > issued_before)
     total = loss.detach().clone()
     dist.all_reduce(total)
     return total.item() / WORLD
@@ -76,16 +80,19 @@ def _two_engines() -> dict:
                           {**config, "comm_timeout_s": TIMEOUT_B,
                            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     assert watchdog.timeout_s() == TIMEOUT_B  # the newest engine's settings are in force
-    losses_a, losses_b = [], []
+    losses_a, losses_b, timeouts_a, timeouts_b = [], [], set(), set()
     for step in range(STEPS_A):  # interleaved: A, B, A, B, ...
-        losses_a.append(_step(a, step))
-        losses_b.append(_step(b, step))
+        losses_a.append(_step(a, step, timeouts_a))
+        losses_b.append(_step(b, step, timeouts_b))
+    assert watchdog.timeout_s() == TIMEOUT_B  # between calls: the newest engine's
+    # each engine's collectives are watched with its own timeout, though B (the newest) was built last
+    assert (timeouts_a, timeouts_b) == ({TIMEOUT_A}, {TIMEOUT_B}), (timeouts_a, timeouts_b)
     params_a = {k: v.detach().clone() for k, v in model_a.state_dict().items()}  # stage 2: whole on every rank
     a.close()
     assert dist.is_initialized(), "closing A destroyed the default group B trains on"
     assert watchdog.timeout_s() == TIMEOUT_B
     for step in range(STEPS_A, STEPS_B):
-        losses_b.append(_step(b, step))
+        losses_b.append(_step(b, step, timeouts_b))
     params_b = b.full_state_dict(rank0_only=False)
     b.close()
     closed = {"group_destroyed": not dist.is_initialized(), "watchdog_restored": watchdog.settings() == before}

@@ -6,7 +6,8 @@ chooses, formed from the launch environment read in one place (`launch_env.py`: 
 node layout from the hosts the ranks run on (`topology.py`).
 
 Code elsewhere writes `from .. import comm` and calls `comm.all_reduce(...)`; everything it may call
-is re-exported here.
+is re-exported here. comm keeps no module state: what it remembers between calls is one `CommState`
+(`process_state.py`) that the engine's Runtime owns and installs.
 
 Modules:
     backend.py        Which torch.distributed backend a rank uses: NCCL where this process sees a GPU, gloo ...
@@ -19,6 +20,7 @@ Modules:
     module_device.py  The device a rank's model trains on, and moving a model built on the CPU there.
     pairwise.py       Reduce-scatter and all-gather as direct pairwise exchanges, for gloo: ...
     process_group.py  The default process group's life cycle: created from torchrun's environment, owned by its ...
+    process_state.py  CommState: everything comm remembers between calls, one object the engine's Runtime owns.
     quantize.py       Block-wise symmetric quantization: the arithmetic of ZeRO++'s quantized collectives (qwZ, qgZ).
     quantized.py      ZeRO++'s quantized collectives (Wang et al. 2023, arXiv 2306.10209), opt-in approximations:
     topology.py       Which node each rank runs on, and which collectives cross nodes.
@@ -31,14 +33,14 @@ from .backend import default_backend, gloo_serves_cpu, nccl_usable, usable_backe
 from .process_group import destroy_distributed, destroy_group, init_distributed, new_group_like, owns_default_group
 from .group import (REAL_COLLECTIVES_ENV, ProcessGroup, backend_name, get_rank, get_world_size, is_initialized,
                     issues_no_collectives,
-                    real_collectives_requested, set_real_collectives, skips_collectives, wait_blocks_host)
-from .collectives import (CommLog, CommRecord, Handle, add_observer, remove_observer, all_gather, all_to_all,
+                    real_collectives_requested, skips_collectives, wait_blocks_host)
+from .collectives import (CommLog, CommRecord, Handle, add_observer, observers, remove_observer, all_gather, all_to_all,
                           chunk_ranges, all_gather_object, all_reduce, all_reduce_max_flag, broadcast, record,
                           reduce_scatter)
 from .uneven import all_gather_uneven, reduce_scatter_uneven
 
 __all__ = ["launch_env", "topology", "watchdog", "default_backend", "gloo_serves_cpu", "nccl_usable", "usable_backend", "REAL_COLLECTIVES_ENV", "CommLog", "CommRecord", "Handle", "ProcessGroup",
-           "add_observer", "remove_observer", "all_gather", "all_to_all", "chunk_ranges", "all_gather_uneven", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
+           "add_observer", "observers", "remove_observer", "all_gather", "all_to_all", "chunk_ranges", "all_gather_uneven", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name", "broadcast",
            "destroy_distributed", "destroy_group", "get_rank", "get_world_size", "init_distributed", "is_initialized", "issues_no_collectives", "new_group_like",
            "owns_default_group", "real_collectives_requested", "record", "reduce_scatter", "reduce_scatter_uneven",
-           "set_real_collectives", "skips_collectives", "wait_blocks_host"]
+           "skips_collectives", "wait_blocks_host"]

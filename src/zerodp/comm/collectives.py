@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DivergenceError
-from . import topology, watchdog
+from . import process_state, topology, watchdog
 from .group import (ProcessGroup, backend_name, get_rank, get_world_size, is_initialized, issues_no_collectives,
                     wait_blocks_host)
 from .pairwise import exchange_all_gather, exchange_reduce_scatter
@@ -86,59 +86,67 @@ class CommLog:
         return sum(r.volume_bytes for r in self.records if crosses_nodes is None or r.crosses_nodes == crosses_nodes)
 
 
-_active_logs: list[CommLog] = []  # a debugging aid, not configuration: see record()
-# Observers of every collective (monitor/comms_logger.py): `issued(record, entry, skipped)` is called as each
-# is issued; its flight-recorder entry gets `done_at` when the host wait returns. Empty unless a comms_logger
-# is enabled, so the cost when off is one list check per collective.
-_observers: list = []
-# Under a comms_logger on CUDA, waits also synchronize the device so that done_at is when the collective
-# finished, not when it was queued (a sync point, only while profiling communication).
-_sync_device_on_wait = False
+# The open `record()` logs (a debugging aid, not configuration) and the observers of every collective
+# (monitor/comms_logger.py) live in the Runtime's CommState (process_state.py): `logs`, `observers`. An observer's
+# `issued(record, entry, skipped)` is called as each collective is issued; its flight-recorder entry gets `done_at`
+# when the host wait returns. Empty unless a comms_logger is enabled, so the cost when off is one list check per
+# collective. Under a comms_logger on CUDA, waits also synchronize the device (`sync_device_on_wait`) so that
+# done_at is when the collective finished, not when it was queued (a sync point, only while profiling).
+
+
+def _state() -> process_state.CommState:
+    return process_state.installed or process_state.current()  # current() raises where none is installed
 
 
 def add_observer(observer, sync_device_on_wait: bool = False) -> None:
     """Call `observer.issued(record, entry, skipped)` for every collective until `remove_observer`."""
-    global _sync_device_on_wait
-    _observers.append(observer)
-    _sync_device_on_wait = _sync_device_on_wait or sync_device_on_wait
+    state = _state()
+    state.observers.append(observer)
+    state.sync_device_on_wait = state.sync_device_on_wait or sync_device_on_wait
 
 
 def remove_observer(observer) -> None:
-    global _sync_device_on_wait
-    if observer in _observers:
-        _observers.remove(observer)
-    _sync_device_on_wait = _sync_device_on_wait and bool(_observers)
+    state = _state()
+    if observer in state.observers:
+        state.observers.remove(observer)
+    state.sync_device_on_wait = state.sync_device_on_wait and bool(state.observers)
+
+
+def observers() -> list:
+    """The observers of every collective now (a copy)."""
+    return list(_state().observers)
 
 
 def _device_done() -> None:
-    if _sync_device_on_wait and torch.cuda.is_available():
+    if _state().sync_device_on_wait and torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
 def record() -> Iterator[CommLog]:
     """Record every collective issued inside the block (nesting allowed)."""
-    log = CommLog()
-    _active_logs.append(log)
+    log, logs = CommLog(), _state().logs
+    logs.append(log)
     try:
         yield log
     finally:
-        _active_logs.remove(log)
+        logs.remove(log)
 
 
 def _log(op: str, impl: str, tensor: torch.Tensor, tag: str, group: ProcessGroup = None,
          what: str = "") -> watchdog.Entry:
     """Record a collective (record() logs, flight recorder); under debug_sync, check ranks agree first."""
-    if _active_logs or _observers:
+    state = _state()
+    if state.logs or state.observers:
         rec = CommRecord(op, impl, tensor.numel(), tensor.dtype, tag, topology.crosses_nodes(group))
-    for log in _active_logs:
+    for log in state.logs:
         log.records.append(rec)
     entry = watchdog.issue(op, tag, tensor.numel(), tensor.dtype, _group_name(group), what)
-    if _observers:
+    if state.observers:
         skipped = issues_no_collectives(group)
         if skipped:
             entry.done_at = entry.issued_at  # an identity: nothing to wait for
-        for observer in _observers:
+        for observer in state.observers:
             observer.issued(rec, entry, skipped)
     if watchdog.debug_sync_enabled() and not issues_no_collectives(group):
         _check_same_collective(entry, group)

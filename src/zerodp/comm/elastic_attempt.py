@@ -38,6 +38,8 @@ from typing import NamedTuple, Optional
 
 import torch.distributed as dist
 
+from . import process_state
+
 NAMESPACE = "zerodp/elastic"
 POLL_S = 0.01  # rank 0's poll of the other ranks' hellos: a one-off at start
 
@@ -63,8 +65,8 @@ def current(timeout: Optional[timedelta] = None) -> Optional[ElasticAttempt]:
     """The attempt every rank agrees on (computed once per process; collective over the job's ranks:
     every rank of the attempt calls it before making its first process group), or None outside an agent
     store. `timeout`: how long to wait for the other ranks (default: the process group's)."""
-    global _current
-    if _current is None and under_agent_store():
+    state = process_state.current()  # agreed once, kept in the Runtime's CommState (process_state.py)
+    if state.elastic_attempt is None and under_agent_store():
         if timeout is None:
             from . import watchdog
 
@@ -72,8 +74,8 @@ def current(timeout: Optional[timedelta] = None) -> Optional[ElasticAttempt]:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                               is_master=False, timeout=timeout)
-        _current = agree(store, rank, world_size, timeout)
-    return _current
+        state.elastic_attempt = agree(store, rank, world_size, timeout)
+    return state.elastic_attempt
 
 
 def agree(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> ElasticAttempt:
@@ -118,5 +120,3 @@ def _hand_out(store: dist.Store, ns: str, index: int, world_size: int, deadline:
                                    f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
             time.sleep(POLL_S)
 
-
-_current: Optional[ElasticAttempt] = None  # this process's attempt, once agreed (a process is in one attempt)

@@ -6,7 +6,8 @@ collectives are switched on and a process group exists: then they are issued on 
 communicator like any other, so the real calls, streams and events run on one GPU (NCCL cannot put two
 ranks on one device) or on one gloo rank. tests/gpu and a CPU test switch it on. The user's switch is
 ZERODP_REAL_COLLECTIVES=1 in the environment, read once when an engine starts by the Runtime
-(zerodp/engine/runtime.py), which hands the decision here (`set_real_collectives`) and takes it back at close.
+(zerodp/engine/runtime.py), which keeps the decision in the engine's `EngineComm` (comm/process_state.py): in
+force while that engine runs (and, the newest engine's, between calls), gone with the last engine.
 The collectives ask `issues_no_collectives(group)`: while an engine lives, its decision, never the
 environment; only outside every engine (a script calling zerodp.comm directly, zero.Init before
 initialize) is the environment the answer. `skips_collectives(group)` is the caller's question "would
@@ -30,6 +31,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from . import process_state
+
 ProcessGroup = Optional[dist.ProcessGroup]
 
 REAL_COLLECTIVES_ENV = "ZERODP_REAL_COLLECTIVES"  # the user's switch: [Note: collectives at world size 1]
@@ -39,21 +42,9 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-# The Runtime's decision for world size 1 (zerodp/engine/runtime.py): None while no engine has made one.
-_real_collectives: Optional[bool] = None
-
-
 def real_collectives_requested() -> bool:
     """The user's switch, ZERODP_REAL_COLLECTIVES=1 in the environment (read by the Runtime once per engine)."""
     return os.environ.get(REAL_COLLECTIVES_ENV) == "1"
-
-
-def set_real_collectives(on: Optional[bool]) -> Optional[bool]:
-    """Issue collectives at world size 1 (`on`), or skip them; None: no decision (the environment answers).
-    Called by the Runtime only; returns the decision it replaces, so that close() can restore it."""
-    global _real_collectives
-    previous, _real_collectives = _real_collectives, on
-    return previous
 
 
 def issues_no_collectives(group: ProcessGroup = None) -> bool:
@@ -61,7 +52,9 @@ def issues_no_collectives(group: ProcessGroup = None) -> bool:
     on (the live engines' decision, see [Note: collectives at world size 1])."""
     if get_world_size(group) != 1:
         return False
-    real = real_collectives_requested() if _real_collectives is None else _real_collectives
+    state = process_state.installed or process_state.current()  # the engines' decision: process_state.py
+    decided = state.real_collectives if state.engine is None else state.engine.real_collectives
+    real = real_collectives_requested() if decided is None else decided
     return not (is_initialized() and real)
 
 

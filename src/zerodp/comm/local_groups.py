@@ -21,10 +21,10 @@ group lives) are not kept: they are destroyed as before (comm/process_group.py `
 from __future__ import annotations
 
 import collections
-from typing import Optional
 
 import torch.distributed as dist
 
+from . import process_state
 from .communicator import new_group
 
 
@@ -37,16 +37,13 @@ class _Pool:
         self.made: dict[int, tuple] = {}  # id(communicator) -> its key, for every one this pool made
 
 
-# Process state, as torch's own registry of groups: the pool of the live default group (None before the first).
-_pool: Optional[_Pool] = None
-
-
 def _current_pool() -> _Pool:
-    global _pool
+    """The pool of the live default group, kept in the Runtime's CommState (process_state.py)."""
+    state = process_state.current()
     world = dist.group.WORLD
-    if _pool is None or _pool.world is not world:
-        _pool = _Pool(world)  # the default group was destroyed (and with it every kept communicator)
-    return _pool
+    if state.local_pool is None or state.local_pool.world is not world:
+        state.local_pool = _Pool(world)  # the default group was destroyed (and with it every kept communicator)
+    return state.local_pool
 
 
 def local_group(ranks: list[int], backend: str) -> dist.ProcessGroup:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 # any group, the defaults are None.
 import torch.distributed.nn.functional  # noqa: F401  (imported for the side effect above)
 
-from . import elastic_attempt, local_groups, topology, watchdog
+from . import elastic_attempt, local_groups, process_state, topology, watchdog
 from .launch_env import LaunchEnvironment, export_torch_variables, read_launch_environment
 from .communicator import new_group, wait_for_members
 from .backend import default_backend
@@ -56,18 +56,19 @@ def init_distributed(timeout_s: Optional[float] = None, launch: Optional[LaunchE
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
     timeout = timedelta(seconds=timeout_s)
-    global _created_group, _groups_created
-    _groups_created += 1
+    state = process_state.current()  # who owns the default group: the Runtime's CommState (process_state.py)
+    state.groups_created += 1
+    generation = state.groups_created
     attempt = elastic_attempt.current(timeout)  # under torch's elastic agent: what every node's ranks agreed on
-    if attempt is not None or _groups_created > 1:
-        store = dist.PrefixStore(attempt.prefix(_groups_created), attempt.store) if attempt is not None \
-            else _fresh_store(timeout, _groups_created)
+    if attempt is not None or generation > 1:
+        store = dist.PrefixStore(attempt.prefix(generation), attempt.store) if attempt is not None \
+            else _fresh_store(timeout, generation)
         dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
                                 timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
     wait_for_members()  # [Note: a communicator is made when every member has connected]
-    _created_group = dist.group.WORLD
+    state.created_group = dist.group.WORLD
     topology.learn_hosts()  # the node layout from the hosts the ranks run on (the launcher's variables are hints)
     # [Note: teardown] A process group left alive until interpreter shutdown is destroyed by C++
     # static destructors while gloo's threads still run: "terminate called without an active
@@ -96,14 +97,10 @@ def _fresh_store(timeout, generation: int) -> dist.Store:
     return dist.PrefixStore(f"zerodp/group{generation}", store)
 
 
-# The default group init_distributed created, if it still exists: not configuration, only who owns it.
-_created_group: ProcessGroup = None
-_groups_created = 0  # default groups init_distributed created in this process (names their store prefix)
-
-
 def owns_default_group() -> bool:
     """True when the live default process group was created by `init_distributed` (so zerodp owns it)."""
-    return is_initialized() and _created_group is not None and dist.group.WORLD is _created_group
+    created = process_state.current().created_group
+    return is_initialized() and created is not None and dist.group.WORLD is created
 
 
 def _destroy_if_owned() -> None:
@@ -117,10 +114,9 @@ def destroy_distributed() -> None:
     No barrier first: at exit after a failure a peer may be dead, and a barrier would then wait for
     the whole timeout; a rank that got here has no collective of its own left in flight.
     """
-    global _created_group
     if is_initialized():
         dist.destroy_process_group()
-    _created_group = None
+    process_state.current().created_group = None
     topology.forget_hosts()  # learned under the group just destroyed
 
 

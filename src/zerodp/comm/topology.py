@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 
 import torch.distributed as dist
 
+from . import process_state
 from .communicator import new_group
 from .launch_env import LaunchEnvironment, read_launch_environment
 from .local_groups import local_group
@@ -65,30 +66,31 @@ def host_name() -> str:
 
 class _Hosts(NamedTuple):
     """Global rank -> host, learned under one default group (a new default group forgets it). `world` is the
-    default group's id(), not the group: a module global holding the group would keep it alive past its destroy,
-    and gloo aborts at interpreter exit when a group outlives its owner (tests/e2e/teardown_check.py)."""
+    default group's id(), not the group: a field holding the group would keep it alive past its destroy,
+    and gloo aborts at interpreter exit when a group outlives its owner (tests/e2e/teardown_check.py). Kept in the
+    Runtime's CommState (`hosts`, process_state.py): a fact about the running job, not configuration."""
     world: int
     of_rank: dict
     version: int
 
 
-_hosts: Optional[_Hosts] = None  # a fact about the running job, not configuration: which host each rank is on
-_warned: set = set()
+def _learned() -> Optional[_Hosts]:
+    return process_state.current().hosts
 
 
 def learn_hosts(group=None) -> NodeLayout:
     """Gather the host of every rank of `group` (one all_gather_object; every rank of `group` calls it) and return
     the group's node layout from them. Where the launcher's variables disagree, one warning (on the group's
     first rank) names both."""
-    global _hosts
     if not _initialized() or _world(group) == 1:
         return node_layout(group)
     names: list = [None] * _world(group)
     dist.all_gather_object(names, host_name(), group=group)  # note: a sync point, once per group creation / engine
     ranks = _ranks(group)
-    known = dict(_hosts.of_rank) if _hosts is not None and _hosts.world == id(dist.group.WORLD) else {}
+    state, hosts = process_state.current(), _learned()
+    known = dict(hosts.of_rank) if hosts is not None and hosts.world == id(dist.group.WORLD) else {}
     known.update(zip(ranks, names))
-    _hosts = _Hosts(id(dist.group.WORLD), known, (_hosts.version + 1) if _hosts is not None else 1)
+    state.hosts = _Hosts(id(dist.group.WORLD), known, (hosts.version + 1) if hosts is not None else 1)
     layout = _from_hosts(names)
     if dist.get_rank(group) == 0:
         _report_disagreement(layout, names, read_hints(), whole_world=len(ranks) == dist.get_world_size())
@@ -97,8 +99,7 @@ def learn_hosts(group=None) -> NodeLayout:
 
 def forget_hosts() -> None:
     """Drop the learned hosts (the next layouts come from the hints until `learn_hosts` runs again)."""
-    global _hosts
-    _hosts = None
+    process_state.current().hosts = None
 
 
 def read_hints() -> Optional[LaunchEnvironment]:
@@ -115,9 +116,10 @@ def _ranks(group) -> list[int]:
 
 def _known_hosts(group) -> Optional[list]:
     """The hosts of `group`'s ranks in group order, if all were learned under the live default group."""
-    if _hosts is None or _hosts.world != id(dist.group.WORLD):
+    hosts = _learned()
+    if hosts is None or hosts.world != id(dist.group.WORLD):
         return None
-    names = [_hosts.of_rank.get(r) for r in _ranks(group)]
+    names = [hosts.of_rank.get(r) for r in _ranks(group)]
     return None if None in names else names
 
 
@@ -162,8 +164,9 @@ def _report_disagreement(layout: NodeLayout, names: list, hints: Optional[Launch
                f"on {len(counts)} host(s) ({hosts}); zerodp groups ranks by host (hpZ, MiCS, the traffic labels). "
                f"If the hosts are right, fix the launch; to act as several nodes on one machine, set "
                f"{HOSTNAME_ENV} per node")
-    if message not in _warned:
-        _warned.add(message)
+    warned = process_state.current().warned
+    if message not in warned:
+        warned.add(message)
         log.warning(message)
 
 
@@ -175,25 +178,25 @@ def node_layout(group=None) -> NodeLayout:
     return _from_hints(_world(group))
 
 
-_spans: dict[tuple, bool] = {}  # (group name, what the layout was read from) -> crosses nodes
-
-
 def crosses_nodes(group=None) -> bool:
     """Whether `group` has ranks on more than one node (its collectives use the inter-node link). Called for every
     recorded collective: answered from a cache keyed by the group and what the layout was read from."""
     if not _initialized() or _world(group) == 1:
         return False
     name = "world" if group is None else str(getattr(group, "group_name", id(group)))
-    learned = _hosts is not None and _hosts.world == id(dist.group.WORLD)
-    key = (name, ("hosts", _hosts.version) if learned else ("hints", node_layout().ranks_per_node))
-    if key not in _spans:
+    state = process_state.current()
+    hosts = state.hosts
+    learned = hosts is not None and hosts.world == id(dist.group.WORLD)
+    key = (name, ("hosts", hosts.version) if learned else ("hints", node_layout().ranks_per_node))
+    spans = state.spans  # (group name, what the layout was read from) -> crosses nodes
+    if key not in spans:
         names = _known_hosts(group) if learned else None
         if names is not None:
-            _spans[key] = len(set(names)) > 1
+            spans[key] = len(set(names)) > 1
         else:
             per_node = _from_hints(dist.get_world_size()).ranks_per_node
-            _spans[key] = len({r // per_node for r in _ranks(group)}) > 1
-    return _spans[key]
+            spans[key] = len({r // per_node for r in _ranks(group)}) > 1
+    return spans[key]
 
 
 def consecutive_groups(size: int, group=None):

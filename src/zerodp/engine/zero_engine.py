@@ -15,6 +15,7 @@ the update equals one step on the global batch; the loss scale is divided out be
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Optional
@@ -28,7 +29,6 @@ from ..checkpoint.deepspeed_writer import write_deepspeed_layout
 from ..checkpoint.dcp import read_dcp, save_dcp
 from ..checkpoint.state import set_rng_state
 from ..checkpoint.tensor_parallel import rank_dir as tp_rank_dir, save_per_rank as tp_save
-from ..comm import watchdog
 from ..config import ConfigError, ZeroConfig, load_config
 from ..config.auto import resolve_auto
 from ..errors import CheckpointError, NonFiniteError
@@ -53,6 +53,20 @@ from .sharding import build_sharding
 log = logging.getLogger("zerodp")
 
 
+def _under_lease(method):
+    """Run an engine call under this engine's settings for comm (comm_timeout_s, debug_sync, real collectives,
+    activity: runtime.py), then those from before: `Lease.in_force()`'s two writes, inline (no call out per step)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        state = self._lease.runtime.comm
+        outer, state.engine = state.engine, self._lease.comm
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            state.engine = outer
+    return call
+
+
 class ZeroEngine:
     """A model trained with ZeRO. Create it with `zerodp.initialize`."""
 
@@ -70,7 +84,8 @@ class ZeroEngine:
         # process-wide settings (watchdog, real collectives, default group, allocator): runtime.py; close() gives back
         self._lease = lease if lease is not None else RUNTIME.lease(config, self.rank, process_group)
         self._lease.held_by(self)
-        watchdog.activity.enter("setup")
+        self._activity = self._lease.comm.activity  # what this engine is doing, for the watchdog's reports
+        self._activity.enter("setup")
         check_same_model(model, process_group)
         config = self.config = resolve_auto(config, model)  # DeepSpeed's "auto" values (config/auto.py)
         self.stage = config.stage
@@ -143,11 +158,12 @@ class ZeroEngine:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    @_under_lease
     def forward(self, *args, **kwargs):
         """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
         if self.precision.mixed and self.cast_inputs:
             args, kwargs = cast_floats((args, kwargs), self.precision.param_dtype)
-        watchdog.activity.enter("forward")
+        self._activity.enter("forward")
         self.monitor.before_forward(self.global_step)
         with self._timed("forward"), \
                 contextlib.nullcontext() if self.autocast is None else self.autocast.forward(self.module):
@@ -177,6 +193,7 @@ class ZeroEngine:
         """Whether the next backwards end an accumulation (DeepSpeed's meaning; None: count micro-steps)."""
         self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
+    @_under_lease
     def backward(self, loss: torch.Tensor, divide_by_accumulation_steps: bool = True,
                  retain_graph: bool = False) -> None:
         """Backpropagate the micro-batch mean `loss`, loss-scaled, divided by the accumulation steps if asked."""
@@ -192,13 +209,14 @@ class ZeroEngine:
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         if self.monitor.writers or self.monitor.flops_profiler is not None:  # nothing to tell an idle monitor
             self.monitor.on_backward(loss)
-        watchdog.activity.enter("backward")
+        self._activity.enter("backward")
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            watchdog.activity.enter("reduce")
+            self._activity.enter("reduce")
             self._received = self.sharding.finish_micro_step(boundary)
         self._backward_since_step = True
 
+    @_under_lease
     def step(self) -> None:
         """Call after every backward: at an accumulation boundary, step the optimizer and zero grads."""
         if not self._backward_since_step:
@@ -208,10 +226,10 @@ class ZeroEngine:
         if boundary and self._boundary_override is not None:  # count whole accumulations (at_step_boundary)
             self.micro_step = -(-self.micro_step // self.gradient_accumulation_steps) * self.gradient_accumulation_steps
         self._backward_since_step = False
-        watchdog.activity.micro_step = self.micro_step
+        self._activity.micro_step = self.micro_step
         if not boundary:
             return
-        watchdog.activity.enter("optimizer step")
+        self._activity.enter("optimizer step")
         check_hyperparameters(self.optimizer.param_groups)  # a schedule may have produced a NaN lr
         with self._timed("step"):
             self.sync_written_shards()
@@ -219,7 +237,7 @@ class ZeroEngine:
             if outcome is StepOutcome.NONFINITE:
                 self._on_nonfinite()  # raises under `nonfinite: stop`, before the gradients are dropped
             if outcome is StepOutcome.STEPPED:
-                watchdog.activity.enter("after-step gather")
+                self._activity.enter("after-step gather")
                 self.sharding.after_step()  # re-assemble full parameters from the updated shards
             for unit in self.units:
                 unit.zero_grad()
@@ -229,7 +247,7 @@ class ZeroEngine:
         self.global_step += 1
         if self.stage == 3 and self.global_step % TRIM_INTERVAL_STEPS == 0:
             release_free_memory()  # stage 3's gather/free churn leaves holes malloc keeps: [Note: heap trimming] in host_memory.py
-        watchdog.activity.global_step = self.global_step
+        self._activity.global_step = self.global_step
         if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
             self.lr_scheduler.step()
         self._maybe_log()
@@ -334,12 +352,13 @@ class ZeroEngine:
 
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
+    @_under_lease
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         deepspeed_layout: bool = False) -> str:
         """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path.
         `deepspeed_layout=True` also writes DeepSpeed's ZeRO files into it (stages 1-3, no tensor parallelism), for
         DeepSpeed's tools and DeepSpeed itself (checkpoint/deepspeed_writer.py, docs/checkpoints.md)."""
-        watchdog.activity.enter("checkpoint")
+        self._activity.enter("checkpoint")
         self.sync_written_shards()
         if self.expert_parallel:  # whole tensors named as in the single-process model: moe/checkpoint.py
             from ..moe.checkpoint import save_expert_checkpoint
@@ -355,10 +374,11 @@ class ZeroEngine:
             write_deepspeed_layout(self, path, client_state)
         return path
 
+    @_under_lease
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
         `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
-        watchdog.activity.enter("checkpoint")
+        self._activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
         if self.expert_parallel:  # any expert-parallel or data-parallel size: moe/checkpoint.py
             from ..moe.checkpoint import load_expert_checkpoint
@@ -381,14 +401,16 @@ class ZeroEngine:
             set_rng_state(resumed.rng)
         return resumed.client_state
 
+    @_under_lease
     def save_dcp(self, path, model_key: str = "model") -> str:
         """Write model and optimizer state as a torch distributed checkpoint (DCP) in folder `path`, in the keys
         FSDP2's get_state_dict uses (checkpoint/dcp.py); every rank writes only its own shard."""
         self._refuse_dcp_with_tensor_parallel()
-        watchdog.activity.enter("checkpoint")
+        self._activity.enter("checkpoint")
         self.sync_written_shards()
         return save_dcp(self, path, model_key=model_key)
 
+    @_under_lease
     def load_dcp(self, path, load_optimizer: bool = True, load_lr_scheduler: bool = True,
                  model_key: Optional[str] = None) -> None:
         """Resume from a DCP checkpoint that FSDP2, torchtitan or `save_dcp` wrote, at any world size or stage:
@@ -396,7 +418,7 @@ class ZeroEngine:
         scaler and (unless `load_lr_scheduler=False`) the lr schedule; from another writer's the global step is
         torchtitan's train_state.step, else the largest Adam step, and the schedule is left as it is."""
         self._refuse_dcp_with_tensor_parallel()
-        watchdog.activity.enter("checkpoint")
+        self._activity.enter("checkpoint")
         self._release_kept_units()  # their gathered values are about to go stale
         resumed = read_dcp(self, path, load_optimizer=load_optimizer, model_key=model_key,
                            load_lr_scheduler=load_lr_scheduler)
@@ -420,6 +442,7 @@ class ZeroEngine:
             raise CheckpointError("DCP export and import do not cover tensor-parallel engines yet; use "
                               "save_checkpoint / load_checkpoint (one folder per tensor-parallel rank)")
 
+    @_under_lease
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only.
         With expert-parallel MoE layers: the single-process model's, every expert under its global index."""

@@ -24,12 +24,11 @@ from ..config.monitor import CommsLoggerConfig, canonical_op
 
 log = logging.getLogger("zerodp")
 
-_open: list["CommsLogger"] = []  # loggers not yet closed, newest last (for deepspeed.comm.log_summary)
-
-
 def active() -> "CommsLogger | None":
-    """The newest comms logger not yet closed, or None."""
-    return _open[-1] if _open else None
+    """The newest comms logger not yet closed, or None (for deepspeed.comm.log_summary): read from comm's
+    observers, where each logger is from its construction to its close(), so no registry of its own is kept."""
+    loggers = [observer for observer in comm.observers() if isinstance(observer, CommsLogger)]
+    return loggers[-1] if loggers else None
 
 @dataclass
 class OpStats:
@@ -64,7 +63,6 @@ class CommsLogger:
         self.stats: dict[tuple[str, int], OpStats] = {}
         self._pending: list[tuple[tuple[str, int], "comm.watchdog.Entry", str]] = []
         comm.add_observer(self, sync_device_on_wait=torch.cuda.is_available())
-        _open.append(self)
 
     # -- called by comm for every collective -------------------------------------------------------
 
@@ -121,8 +119,6 @@ class CommsLogger:
 
     def close(self) -> None:
         comm.remove_observer(self)
-        if self in _open:
-            _open.remove(self)
 
 
 def _size(nbytes: int) -> str:

@@ -29,6 +29,8 @@ from .shard_store import ShardStore
 
 log = logging.getLogger("zerodp")
 
+# The lines report_ignored has logged: once per process, as Python's warnings registry dedups, so a second engine
+# does not repeat them. Not a setting (nothing reads it but the dedup), hence not part of the engines' Runtime.
 _reported: set[str] = set()
 
 

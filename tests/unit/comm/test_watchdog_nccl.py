@@ -57,9 +57,10 @@ def test_a_collective_that_never_completes_on_the_device_ends_the_process_with_i
         import time
         from zerodp.comm import watchdog
         watchdog.apply(watchdog.Settings(timeout_s=0.3, debug_sync=False, rank=1))
-        watchdog.activity.global_step, watchdog.activity.micro_step = 4, 8
-        watchdog.activity.enter("forward")
-        watchdog.activity.unit = "blocks.1"
+        activity = watchdog.activity()
+        activity.global_step, activity.micro_step = 4, 8
+        activity.enter("forward")
+        activity.unit = "blocks.1"
         entry = watchdog.issue("all_gather", "param", 1024, "torch.bfloat16", "world", "blocks.1")
         watchdog.track(entry, lambda: False)   # an NCCL work whose CUDA event never completes
         time.sleep(30)

@@ -173,13 +173,13 @@ def test_comms_logger_counts_what_record_sees(debug):
     engine.close()
     with pytest.raises(RuntimeError, match="no comms logger is running"):
         deepspeed.comm.log_summary()
-    assert engine.monitor.comms_logger is None and not collectives._observers
+    assert engine.monitor.comms_logger is None and not collectives.observers()
 
 
 def test_switched_off_monitor_adds_nothing():
     engine = zerodp.initialize(_stack(), None, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert engine.monitor.writers == [] and engine.monitor.comms_logger is None
-    assert engine.monitor.flops_profiler is None and not collectives._observers
+    assert engine.monitor.flops_profiler is None and not collectives.observers()
     assert engine.comms_summary() == ""
     engine.close()
 

@@ -271,6 +271,9 @@ class Accelerator:
         return "inductor"
 
 
+# DeepSpeed's get_accelerator()/set_accelerator() name one accelerator per process, by DeepSpeed's API: a module
+# global on purpose (made on first call). It describes the device, holds no training state, and the adapter sits
+# above the engine's Runtime, which never sees it.
 _ACCELERATOR: Optional[Accelerator] = None
 
 

@@ -174,7 +174,7 @@ class ModuleUnit:
     # -- forward ----------------------------------------------------------------------------------
 
     def _pre_forward(self, module, args, kwargs):
-        watchdog.activity.unit = self.name
+        watchdog.activity().unit = self.name
         s = self.schedule
         if self.state is TrainingState.KEPT:
             self.release_backward_hold()  # the last forward had no backward: give its hold back
@@ -261,7 +261,7 @@ class ModuleUnit:
                                "accumulated; call engine.backward(loss) instead of loss.backward()")
         if self.state is TrainingState.BACKWARD:
             return
-        watchdog.activity.unit = self.name
+        watchdog.activity().unit = self.name
         self.schedule.record_backward(self)
         if self.state is not TrainingState.KEPT:  # KEPT: gathered and held since its forward
             self.acquire()
