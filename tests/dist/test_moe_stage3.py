@@ -55,15 +55,24 @@ def _reference(world: int, opt_name: str):
 
 
 def _zerodp_default_stage3(opt_name: str):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     model = make_moe()
     engine = zerodp.initialize(model, _optimizer(opt_name, model),
                                {"zero_optimization": {"stage": 3}})  # the default unit policy: nothing else set
     units = [mu.name for mu in engine.sharding.module_units]
+    losses, params, used = _train_rank_rows(engine, model, STEPS, lambda step: moe_batch(step, ROWS_PER_RANK * world),
+                                            ROWS_PER_RANK)
+    return losses, params, used, units
+
+
+def _train_rank_rows(engine, model, steps: int, batch, rows_per_rank: int):
+    """Train on this rank's rows of each global `batch(step)`; returns the global mean losses, the full parameters
+    and the experts each step used on this rank (the engine is closed)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     losses, used = [], []
-    for step in range(STEPS):
-        x, y = moe_batch(step, ROWS_PER_RANK * world)
-        rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    for step in range(steps):
+        x, y = batch(step)
+        rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
         loss = F.mse_loss(engine(x[rows]), y[rows])
         engine.backward(loss)
         engine.step()
@@ -74,7 +83,7 @@ def _zerodp_default_stage3(opt_name: str):
     with zerodp.gathered_parameters(model.parameters()):
         params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine.close()
-    return losses, params, used, units
+    return losses, params, used
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
@@ -210,7 +219,6 @@ def _checkpointed(model: nn.Module, use_reentrant: bool) -> nn.Module:
 
 
 def _zerodp_uneven(overlap_comm: bool, checkpointing: str):
-    rank = dist.get_rank()
     model = make_moe()
     if checkpointing != "none":
         model = _checkpointed(model, use_reentrant=checkpointing == "reentrant")
@@ -227,21 +235,7 @@ def _zerodp_uneven(overlap_comm: bool, checkpointing: str):
         return finish(*args, **kwargs)
 
     queue.finish = recording_finish
-    losses, used = [], []
-    for step in range(UNEVEN_STEPS):
-        x, y = _uneven_batch(step)
-        rows = slice(rank * UNEVEN_ROWS, (rank + 1) * UNEVEN_ROWS)
-        loss = F.mse_loss(engine(x[rows]), y[rows])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / 2)
-        used.append(model.used_experts())
-    with zerodp.gathered_parameters(model.parameters()):
-        params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    engine.close()
-    return losses, params, used, in_backward
+    return (*_train_rank_rows(engine, model, UNEVEN_STEPS, _uneven_batch, UNEVEN_ROWS), in_backward)
 
 
 @pytest.mark.parametrize("overlap_comm,checkpointing", [(False, "none"), (True, "none"), (False, "reentrant"),
