@@ -17,6 +17,7 @@ import torch
 from .. import comm
 from ..checkpoint.consolidate import gather_flat
 from .expert_groups import ExpertPlan
+from .packed import PackedExperts
 
 
 def shard_group(unit) -> comm.ProcessGroup:
@@ -29,6 +30,11 @@ def global_expert_names(module: torch.nn.Module, plan: ExpertPlan) -> dict[str, 
     module_names = {id(m): n for n, m in module.named_modules()}
     renamed = {}
     for layer in plan.layers:
+        if isinstance(layer, PackedExperts):
+            raise NotImplementedError(f"full_state_dict and checkpoints of packed experts split by "
+                                      f"moe.expert_parallel_size ({layer.name}) are not implemented; save each "
+                                      f"rank's model.state_dict() (its experts are {layer.name}'s experts "
+                                      f"ep_rank*{layer.num_local_experts} onward)")
         for local, expert in enumerate(layer.experts):
             name = module_names[id(expert)]
             parent, _, index = name.rpartition(".")

@@ -27,6 +27,7 @@ from .. import comm
 from ..comm.topology import consecutive_groups, strided_groups
 from ..errors import ConfigError
 from .layer import MoELayer
+from .packed import PackedExperts, find_packed_experts
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,16 @@ class ExpertPlan:
     """A model's MoE layers, bound to their groups, and the split of each optimizer group into dense and expert
     parameters (one expert part per ep_size)."""
 
-    layers: list[MoELayer]
+    layers: list  # MoELayer and PackedExperts (packed.py): each has ep_size, expert_parameters(), bind(group)
     groups: dict[int, ExpertGroups] = field(default_factory=dict)  # by ep_size, in increasing ep_size
 
     @classmethod
-    def of(cls, model: nn.Module, process_group: comm.ProcessGroup) -> Optional["ExpertPlan"]:
-        """None when the model has no MoE layer; otherwise the groups made and bound to every layer."""
-        layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    def of(cls, model: nn.Module, process_group: comm.ProcessGroup,
+           packed_ep_size: int = 1) -> Optional["ExpertPlan"]:
+        """None when the model has no MoE layer; otherwise the groups made and bound to every layer.
+        `packed_ep_size` (config `moe.expert_parallel_size`): split the model's packed experts (packed.py) over
+        that many ranks; binding keeps each rank's own experts."""
+        layers = [m for m in model.modules() if isinstance(m, MoELayer)] + find_packed_experts(model, packed_ep_size)
         if not layers:
             return None
         plan = cls(layers)
