@@ -1,5 +1,5 @@
-"""Transformers' own MoE models (packed 3-D experts) with expert parallelism: config `moe: {expert_parallel_size:
-2}` on 4 gloo ranks (EP 2 x DP 2) splits every experts module on the expert dimension (each rank keeps 2 of the 4
+"""Transformers' own MoE models (packed 3-D experts) with expert parallelism: DeepSpeed's AutoEP config section `expert_parallel:
+{enabled: true, autoep_size: 2}` on 4 gloo ranks (EP 2 x DP 2) splits every experts module on the expert dimension (each rank keeps 2 of the 4
 experts), tokens travel to their expert's rank by all-to-all, and training equals the single-process model holding
 every expert (losses and parameters over 8 steps, each rank its own tokens, routed differently per rank);
 bf16 equals plain-PyTorch mixed precision (tests/oracle.py); a model zerodp cannot split is refused by name
@@ -60,7 +60,7 @@ def sgd(params):
 
 
 def config(stage: int, bf16: bool = False) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO_BS, "gradient_clipping": CLIP, "moe": {"expert_parallel_size": EP},
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BS, "gradient_clipping": CLIP, "expert_parallel": {"enabled": True, "autoep_size": EP},
            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else
                                                     {"reduce_bucket_size": 2000})}}
     if bf16:
@@ -213,4 +213,4 @@ def test_hf_packed_experts_bf16_with_expert_parallelism_equal_mixed_precision(re
 
 def test_a_model_zerodp_cannot_split_is_refused(results):
     message = results[0]["refusals"][0]
-    assert "zerodp.moe.MoE(..., ep_size=2)" in message and "remove moe.expert_parallel_size" in message
+    assert "zerodp.moe.MoE(..., ep_size=2)" in message and "remove the expert_parallel section" in message

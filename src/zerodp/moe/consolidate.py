@@ -32,7 +32,7 @@ def global_expert_names(module: torch.nn.Module, plan: ExpertPlan) -> dict[str, 
     for layer in plan.layers:
         if isinstance(layer, PackedExperts):
             raise NotImplementedError(f"full_state_dict and checkpoints of packed experts split by "
-                                      f"moe.expert_parallel_size ({layer.name}) are not implemented; save each "
+                                      f"expert_parallel.autoep_size ({layer.name}) are not implemented; save each "
                                       f"rank's model.state_dict() (its experts are {layer.name}'s experts "
                                       f"ep_rank*{layer.num_local_experts} onward)")
         for local, expert in enumerate(layer.experts):

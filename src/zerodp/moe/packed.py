@@ -57,8 +57,8 @@ class PackedExperts:
         self.module, self.name, self.ep_size = module, name, ep_size
         self.num_experts = module.num_experts
         if self.num_experts % ep_size:
-            raise ConfigError(f"moe.expert_parallel_size={ep_size} does not divide the {self.num_experts} experts of "
-                              f"{name} ({type(module).__name__}); use a size that divides num_experts")
+            raise ConfigError(f"expert_parallel.autoep_size={ep_size} does not divide the {self.num_experts} experts "
+                              f"of {name} ({type(module).__name__}); use a size that divides num_experts")
         self.num_local_experts = self.num_experts // ep_size
         self.ep_group: comm.ProcessGroup = None
         self.ep_rank = 0
@@ -101,7 +101,7 @@ class PackedExperts:
     def _dispatch(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.ep_group is None:
             raise RuntimeError(f"{self.name} holds {self.num_local_experts} of {self.num_experts} experts (split by "
-                               f"zerodp.initialize with moe.expert_parallel_size={self.ep_size}) and its engine is "
+                               f"zerodp.initialize with expert_parallel.autoep_size={self.ep_size}) and its engine is "
                                f"closed; train it under its engine, or load engine.full_state_dict() into an "
                                f"unsplit model")
         assert self._pending is None, "a packed-experts forward started before the previous one finished"
@@ -181,10 +181,11 @@ def _why_not_splittable(module: nn.Module) -> Optional[str]:
     return None
 
 
-def find_packed_experts(model: nn.Module, ep_size: int) -> list[PackedExperts]:
-    """The packed-experts modules of `model`, split over `ep_size` ranks (`moe.expert_parallel_size`); [] when
-    ep_size is 1. A model with none, or with one that breaks the contract, is a ConfigError naming its class."""
-    if ep_size == 1:
+def find_packed_experts(model: nn.Module, ep_size: Optional[int]) -> list[PackedExperts]:
+    """The packed-experts modules of `model`, to split over `ep_size` ranks (config `expert_parallel.autoep_size`;
+    None: the section is not enabled, []). A model with none, or with one that breaks the contract, is a
+    ConfigError naming its class; with ep_size 1 there is nothing to split ([] once checked)."""
+    if ep_size is None:
         return []
     found = []
     for name, module in model.named_modules():
@@ -192,16 +193,16 @@ def find_packed_experts(model: nn.Module, ep_size: int) -> list[PackedExperts]:
             continue
         why = _why_not_splittable(module)
         if why is not None:
-            raise ConfigError(f"moe.expert_parallel_size={ep_size}: zerodp cannot split {name} "
-                              f"({type(module).__name__}) of {type(model).__name__}: {why}. Remove "
-                              f"moe.expert_parallel_size (every rank then holds every expert, stages 0-3), or "
-                              f"build the layer with zerodp.moe.MoE(..., ep_size={ep_size})")
+            raise ConfigError(f"expert_parallel.enabled: zerodp cannot split {name} ({type(module).__name__}) of "
+                              f"{type(model).__name__}: {why}. Remove the expert_parallel section (every rank then "
+                              f"holds every expert, stages 0-3), or build the layer with zerodp.moe.MoE(..., "
+                              f"ep_size={ep_size})")
         found.append(PackedExperts(module, name, ep_size))
     if not found:
-        raise ConfigError(f"moe.expert_parallel_size={ep_size}, but {type(model).__name__} has no packed experts "
+        raise ConfigError(f"expert_parallel.enabled, but {type(model).__name__} has no packed experts "
                           f"zerodp can split (a module with `num_experts` and 3-D parameters [num_experts, ...] whose "
                           f"forward takes {list(INPUTS)}, as transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE "
                           f"experts). For experts in an nn.ModuleList, build the layer with zerodp.moe.MoE(..., "
-                          f"ep_size={ep_size}) (or deepspeed.moe.layer.MoE); or remove moe.expert_parallel_size to "
+                          f"ep_size={ep_size}) (or deepspeed.moe.layer.MoE); or remove the expert_parallel section to "
                           f"keep every expert on every rank (stages 0-3)")
-    return found
+    return found if ep_size > 1 else []
