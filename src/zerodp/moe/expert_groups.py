@@ -65,7 +65,7 @@ class ExpertPlan:
     """A model's MoE layers, bound to their groups, and the split of each optimizer group into dense and expert
     parameters (one expert part per ep_size)."""
 
-    layers: list  # MoELayer and PackedExperts (packed.py): each has ep_size, expert_parameters(), bind(group)
+    layers: list  # MoELayer and PackedExperts (packed.py): ep_size, expert_parameters(), bind, unbind
     groups: dict[int, ExpertGroups] = field(default_factory=dict)  # by ep_size, in increasing ep_size
 
     @classmethod
@@ -98,7 +98,7 @@ class ExpertPlan:
     def close(self, process_group: comm.ProcessGroup) -> None:
         """Unbind the layers and destroy the groups (collective: every rank, at the engine's close)."""
         for layer in self.layers:
-            layer.ep_group = None
+            layer.unbind()
         for groups in self.groups.values():
             groups.close(process_group)
         self.groups = {}

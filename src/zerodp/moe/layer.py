@@ -90,6 +90,10 @@ class MoELayer(nn.Module):
                              f"{self.ep_size}; the group must have ep_size ranks")
         self.ep_group, self.ep_rank = ep_group, comm.get_rank(ep_group)
 
+    def unbind(self) -> None:
+        """Forget the expert-parallel group (the engine closed and destroyed it)."""
+        self.ep_group = None
+
     def global_expert_index(self, local_index: int) -> int:
         """The index among all E experts of this rank's local expert `local_index`."""
         return self.ep_rank * self.num_local_experts + local_index

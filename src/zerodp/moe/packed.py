@@ -62,6 +62,7 @@ class PackedExperts:
         self.num_local_experts = self.num_experts // ep_size
         self.ep_group: comm.ProcessGroup = None
         self.ep_rank = 0
+        self.bound = False  # between bind and unbind (the engine's life)
         self.split_done = False
         self._pending: Optional[_Dispatched] = None
         module.register_forward_pre_hook(self._dispatch, with_kwargs=True)
@@ -73,9 +74,13 @@ class PackedExperts:
 
     def bind(self, ep_group: comm.ProcessGroup) -> None:
         """Use `ep_group` for the all-to-alls; the first time, keep only this rank's experts (`split`)."""
-        self.ep_group, self.ep_rank = ep_group, comm.get_rank(ep_group)
+        self.ep_group, self.ep_rank, self.bound = ep_group, comm.get_rank(ep_group), True
         if not self.split_done:
             self.split()
+
+    def unbind(self) -> None:
+        """The engine closed: forward refuses from now on (this module holds only its rank's experts)."""
+        self.ep_group, self.bound = None, False
 
     @torch.no_grad()
     def split(self) -> None:
@@ -99,7 +104,7 @@ class PackedExperts:
         return values
 
     def _dispatch(self, module: nn.Module, args: tuple, kwargs: dict):
-        if self.ep_group is None:
+        if not self.bound:
             raise RuntimeError(f"{self.name} holds {self.num_local_experts} of {self.num_experts} experts (split by "
                                f"zerodp.initialize with expert_parallel.autoep_size={self.ep_size}) and its engine is "
                                f"closed; train it under its engine, or load engine.full_state_dict() into an "
