@@ -5,6 +5,8 @@ every expert (losses and parameters over 8 steps, each rank its own tokens, rout
 bf16 equals plain-PyTorch mixed precision (tests/oracle.py); a model zerodp cannot split is refused by name
 (docs/moe_ep.md). One spawn of 4 ranks runs every case."""
 
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,8 +71,8 @@ def config(stage: int, bf16: bool = False) -> dict:
 
 
 def train_case(name: str, stage: int, bf16: bool = False):
-    """This rank's global-mean losses, its parameters (experts: its own E/EP), and how many of its tokens' choices
-    went to each global expert at the first step (seen by a hook registered before zerodp's, so before the dispatch)."""
+    """This rank's global-mean losses, its parameters (experts: its own E/EP), how many of its tokens' choices
+    went to each global expert at the first step, and (fp32) engine.full_state_dict() (seen by a hook registered before zerodp's, so before the dispatch)."""
     rank = dist.get_rank()
     model = make(name)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")][0]
@@ -90,7 +92,8 @@ def train_case(name: str, stage: int, bf16: bool = False):
             losses.append(total.item() / WORLD)
         with zerodp.gathered_parameters(model.parameters()):
             params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-        return losses, params, chosen[0]
+        full = None if bf16 else engine.full_state_dict(rank0_only=False)  # every expert, packed back together
+        return losses, params, chosen[0], full
     finally:
         engine.close()
 
@@ -111,6 +114,9 @@ def refusals_case() -> list[str]:
         zerodp.initialize(model, sgd(model.parameters()), config(2))
     model = make("mixtral")
     engine = zerodp.initialize(model, sgd(model.parameters()), config(1))
+    with tempfile.TemporaryDirectory() as folder, pytest.raises(NotImplementedError, match="checkpoints of packed "
+                                                                "experts .* save engine.full_state_dict"):
+        engine.save_checkpoint(folder)
     engine.close()
     with pytest.raises(RuntimeError, match="holds 2 of 4 experts .* its engine is closed"):
         model(input_ids=batch(0, 1))
@@ -178,10 +184,13 @@ def test_hf_packed_experts_with_expert_parallelism_equal_one_process(results, na
     assert_trained(ref.params, make(name).state_dict())
     firsts = []
     for rank, result in enumerate(results):
-        losses, params, chosen = result[(name, stage)]
+        losses, params, chosen, full = result[(name, stage)]
         firsts.append(chosen)
         assert_matches_reference(rank, losses, params, ref.losses, own_experts(ref.params, params, rank),
                                  f"{name} stage {stage}")
+        # engine.full_state_dict: the single-process model's, each packed tensor whole again
+        assert set(full) == set(ref.params), sorted(set(full) ^ set(ref.params))
+        assert_matches_reference(rank, losses, full, ref.losses, ref.params, f"{name} stage {stage} full_state_dict")
     # each rank's tokens reach the experts of both ranks of its pair (the all-to-all carries them), and the ranks
     # route differently
     local = EXPERTS // EP
@@ -204,7 +213,7 @@ def test_hf_packed_experts_bf16_with_expert_parallelism_equal_mixed_precision(re
     ref_losses, ref_params = bf16_reference()
     ref_params = {k.removeprefix("model."): v for k, v in ref_params.items()}  # _Logits wraps the model
     for rank, result in enumerate(results):
-        losses, params, _ = result[("mixtral", stage, "bf16")]
+        losses, params, _, _ = result[("mixtral", stage, "bf16")]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=BF16_LOSS_RTOL, atol=0)
         for key, ref in own_experts(ref_params, params, rank).items():
             close = (params[key] - ref).abs() <= BF16_PARAM_RTOL * (ref.abs() + ref.abs().max())
