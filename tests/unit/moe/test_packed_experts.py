@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.config.expert_parallel import _AUTOEP_LAYER_KEYS
 from zerodp.moe.packed import PackedExperts, find_packed_experts
 
 transformers = pytest.importorskip("transformers")
@@ -83,8 +84,9 @@ def test_the_section_refuses_what_it_does_not_do():
     assert config.expert_parallel.enabled and config.expert_parallel.autoep_size == 2
     with pytest.raises(zerodp.ConfigError, match="autoep_size=2 without enabled: true splits nothing"):
         zerodp.load_config({**base, "expert_parallel": {"autoep_size": 2}})
-    with pytest.raises(zerodp.ConfigError, match="expert_parallel.preset_model configures DeepSpeed's AutoEP"):
-        zerodp.load_config({**base, "expert_parallel": {"enabled": True, "preset_model": "mixtral"}})
+    for key in _AUTOEP_LAYER_KEYS:  # DeepSpeed 0.19.8's settings of its own replacement layer, every one
+        with pytest.raises(zerodp.ConfigError, match=f"expert_parallel.{key} configures DeepSpeed's AutoEP"):
+            zerodp.load_config({**base, "expert_parallel": {"enabled": True, key: None}})
 
 
 def test_an_engine_with_autoep_size_larger_than_the_world_is_refused():
