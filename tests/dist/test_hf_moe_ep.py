@@ -70,15 +70,19 @@ def config(stage: int, bf16: bool = False) -> dict:
     return cfg
 
 
-def train_case(name: str, stage: int, bf16: bool = False):
+def train_case(name: str, stage: int, bf16: bool = False, recompute: bool = False):
     """This rank's global-mean losses, its parameters (experts: its own E/EP), how many of its tokens' choices
-    went to each global expert at the first step, and (fp32) engine.full_state_dict() (seen by a hook registered before zerodp's, so before the dispatch)."""
+    went to each global expert at the first step (seen by a hook registered before zerodp's, so before the
+    dispatch), and (fp32) engine.full_state_dict(). `recompute`: HF's gradient checkpointing, so each layer's
+    forward, all-to-alls included, runs again in backward."""
     rank = dist.get_rank()
     model = make(name)
+    if recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")][0]
-    chosen = []
+    chosen = []  # per forward of the first layer's experts, its tokens' choices per global expert
     experts.register_forward_pre_hook(lambda module, args: chosen.append(
-        torch.bincount(args[1].reshape(-1), minlength=EXPERTS).tolist()) if not chosen else None)
+        torch.bincount(args[1].reshape(-1), minlength=EXPERTS).tolist()))
     engine = zerodp.initialize(model, sgd(model.parameters()), config(stage, bf16))
     try:
         losses = []
@@ -87,6 +91,7 @@ def train_case(name: str, stage: int, bf16: bool = False):
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
+            assert len(chosen) == (2 if recompute else 1) * (step + 1), "with recompute the experts run twice a step"
             total = loss.detach().float().clone()
             dist.all_reduce(total)
             losses.append(total.item() / WORLD)
@@ -126,6 +131,7 @@ def refusals_case() -> list[str]:
 def run_all():
     results = {case: train_case(*case) for case in CASES}
     results.update({("mixtral", stage, "bf16"): train_case("mixtral", stage, True) for stage in BF16_STAGES})
+    results[("qwen3_moe", 2, "recompute")] = train_case("qwen3_moe", 2, recompute=True)
     results["refusals"] = refusals_case()
     return results
 
@@ -178,13 +184,13 @@ def results():
     return harness.run(WORLD, run_all, timeout=300)
 
 
-@pytest.mark.parametrize("name,stage", CASES)
-def test_hf_packed_experts_with_expert_parallelism_equal_one_process(results, name, stage):
+@pytest.mark.parametrize("name,stage,variant", [(*case, "") for case in CASES] + [("qwen3_moe", 2, "recompute")])
+def test_hf_packed_experts_with_expert_parallelism_equal_one_process(results, name, stage, variant):
     ref = reference(name)
     assert_trained(ref.params, make(name).state_dict())
     firsts = []
     for rank, result in enumerate(results):
-        losses, params, chosen, full = result[(name, stage)]
+        losses, params, chosen, full = result[(name, stage, variant) if variant else (name, stage)]
         firsts.append(chosen)
         assert_matches_reference(rank, losses, params, ref.losses, own_experts(ref.params, params, rank),
                                  f"{name} stage {stage}")
