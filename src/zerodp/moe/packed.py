@@ -33,7 +33,7 @@ from torch import nn
 from .. import comm
 from ..errors import ConfigError
 from .all_to_all import all_to_all
-from .layer import MoELayer, _register
+from .layer import MoELayer, register_expert_parameter
 
 INPUTS = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts forward, in order
 
@@ -88,7 +88,7 @@ class PackedExperts:
         first = self.ep_rank * self.num_local_experts
         for p in self.expert_parameters():
             p.data = p.data[first:first + self.num_local_experts].clone()
-            _register(p, self.ep_size)  # is_expert_parameter (DeepSpeed's is_moe_param) answers for it
+            register_expert_parameter(p, self.ep_size)  # is_expert_parameter (DeepSpeed's is_moe_param) answers for it
         self.module.num_experts = self.num_local_experts  # the module's forward now sees L experts, ids 0..L-1
         self.split_done = True
 
