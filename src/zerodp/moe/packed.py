@@ -65,8 +65,6 @@ class PackedExperts:
         self.bound = False  # between bind and unbind (the engine's life)
         self.split_done = False
         self._pending: Optional[_Dispatched] = None
-        module.register_forward_pre_hook(self._dispatch, with_kwargs=True)
-        module.register_forward_hook(self._combine)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """This rank's experts' parameters (sharded over the expert-data-parallel group)."""
@@ -90,6 +88,9 @@ class PackedExperts:
             p.data = p.data[first:first + self.num_local_experts].clone()
             register_expert_parameter(p, self.ep_size)  # is_expert_parameter (DeepSpeed's is_moe_param) answers for it
         self.module.num_experts = self.num_local_experts  # the module's forward now sees L experts, ids 0..L-1
+        # kept after the engine closes: the split module then refuses to run (_dispatch)
+        self.module.register_forward_pre_hook(self._dispatch, with_kwargs=True)
+        self.module.register_forward_hook(self._combine)
         self.split_done = True
 
     def global_expert_index(self, local_index: int) -> int:

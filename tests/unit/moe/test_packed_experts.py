@@ -123,3 +123,29 @@ def test_dispatch_around_the_modules_forward_equals_that_forward(kernel):
     packed.unbind()
     with pytest.raises(RuntimeError, match="holds 4 of 4 experts .* its engine is closed"):
         split(hidden, index, weights)
+
+
+def test_autoep_size_one_splits_nothing_and_still_checks_the_model():
+    """DeepSpeed's meaning: enabled with autoep_size 1 is expert parallelism over one rank, every expert kept; the
+    model trains as without the section (no hooks left on it), and one with nothing to split is still refused."""
+    config = {"train_micro_batch_size_per_gpu": 2, "expert_parallel": {"enabled": True, "autoep_size": 1}}
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for section in (True, False):
+        model = make("MixtralForCausalLM")
+        engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   config if section else {"train_micro_batch_size_per_gpu": 2})
+        try:
+            for _ in range(2):
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+        finally:
+            engine.close()
+        model(input_ids=ids)  # nothing split, nothing hooked: the model runs on after its engine
+    assert losses[:2] == losses[2:]
+    plain = ListMoE()
+    with pytest.raises(zerodp.ConfigError, match="ListMoE has no packed experts"):
+        zerodp.initialize(plain, torch.optim.SGD(plain.parameters(), lr=0.1), config)
