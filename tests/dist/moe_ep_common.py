@@ -86,7 +86,35 @@ def ep_model(ep_size: int, ep_rank: int, second_half_unreachable: bool = False, 
 
 def loss_of(model, x, y):
     out, l_aux = model(x)
-    return F.mse_loss(out, y) + AUX_WEIGHT * l_aux
+    return F.mse_loss(out.float(), y) + AUX_WEIGHT * l_aux.float()  # .float(): a no-op in fp32; bf16 runs
+
+
+class _Chunks(nn.Module):
+    """The model run on each rank's chunk of the global batch, each gated on its own (module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, chunks):
+        return [self.model(x) for x in chunks]
+
+
+def mixed_reference_run(dtype: torch.dtype, optimizer: str, steps: int, world: int, micro_bs: int, clip: float,
+                        **moe_options):
+    """`mixed_precision_reference` (tests/oracle.py) for the single-process MoE model in `dtype`: losses and
+    parameters (the low-precision model's, as fp32) after `steps` steps on the ranks' chunks."""
+    from tests.oracle import mixed_precision_reference
+
+    def loss_fn(outs, ys, _model):
+        return torch.stack([F.mse_loss(out.float(), y) + AUX_WEIGHT * l_aux.float()
+                            for (out, l_aux), y in zip(outs, ys)]).mean()
+
+    chunks = ([micro_batch(step, 0, rank, world, micro_bs, 1) for rank in range(world)] for step in range(steps))
+    batches = (([x.to(dtype) for x, _ in c], [y for _, y in c]) for c in chunks)
+    model = _Chunks(full_model(**moe_options).to(dtype))
+    losses, params = mixed_precision_reference(model, lambda m: make_optimizer(optimizer, m), batches, loss_fn, clip)
+    return losses, {k.removeprefix("model."): v for k, v in params.items()}
 
 
 def reference_run(steps: int, world: int, micro_bs: int, gas: int, clip: float, **moe_options):
@@ -109,12 +137,12 @@ def reference_run(steps: int, world: int, micro_bs: int, gas: int, clip: float, 
     return ref.losses, ref.params, unused, ref.grad_norms
 
 
-def zerodp_run(config: dict, ep_size: int, steps: int, micro_bs: int, **moe_options):
+def zerodp_run(config: dict, ep_size: int, steps: int, micro_bs: int, optimizer: str = "adamw", **moe_options):
     """This rank's global-mean losses and its parameters under the single-process model's names."""
     rank = dist.get_rank()
     ep_rank = rank % ep_size  # consecutive expert-parallel groups: {0..P-1}, {P..2P-1}, ...
     model = ep_model(ep_size, ep_rank, **moe_options)
-    engine = zerodp.initialize(model, make_optimizer("adamw", model), config)
+    engine = zerodp.initialize(model, make_optimizer(optimizer, model), config)
     try:
         losses = train(engine, 0, steps, micro_bs)
         num_local = NUM_EXPERTS // ep_size

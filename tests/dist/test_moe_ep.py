@@ -1,12 +1,13 @@
 """Expert parallelism with ZeRO (issue 42 part 3): EP 2 x DP 2 on 4 gloo ranks equals the single-process model
 holding every expert (tests/dist/moe_ep_common.py), losses and parameters over 8 steps, with experts that get
-no token on some steps (AdamW skips them, as torch does), token drops, top-1 and top-2, clipping."""
+no token on some steps (AdamW skips them, as torch does), token drops, top-1 and top-2, clipping; in bf16 equal
+to plain-PyTorch mixed precision (tests/oracle.py's mixed_precision_reference)."""
 
 import pytest
 import torch
 
 from tests.dist.common import assert_matches_reference
-from tests.dist.moe_ep_common import reference_run, refusals_run, resume_run, zerodp_run
+from tests.dist.moe_ep_common import mixed_reference_run, reference_run, refusals_run, resume_run, zerodp_run
 
 STEPS, MICRO_BS, CLIP = 8, 6, 0.5
 WORLD, EP = 4, 2
@@ -51,6 +52,13 @@ def test_ep2_dp2_top2_accumulation_matches_single_process(dist_run, stage):
     check(results, 2, TOP2, micro_bs=3, stage=stage)
 
 
+def test_ep2_dp2_top2_two_slots_per_expert_matches_single_process(dist_run):
+    """6 tokens per rank: each expert has 2 capacity slots. Before moe/all_to_all.py made its buffers contiguous,
+    the combine's gradient (a permuted tensor from einsum's backward) came back with its slots scrambled, and every
+    used expert's gradient was wrong whenever the capacity was 2 or more (the cases above have 1)."""
+    check(dist_run(WORLD, zerodp_run, config(2), EP, STEPS, MICRO_BS, **TOP2), 1, TOP2, stage=2)
+
+
 def test_experts_of_one_rank_without_any_token(dist_run):
     """At the first step no token reaches ep rank 1's experts (the gate's rows for them copy expert 0's): they run
     on nothing there, yet every rank's backward runs both all-to-alls ([Note: every rank's backward runs both
@@ -59,6 +67,29 @@ def test_experts_of_one_rank_without_any_token(dist_run):
     ref_unused = reference_run(1, WORLD, MICRO_BS, 1, CLIP, **options)[2][0]
     assert set(ref_unused) >= {4, 5, 6, 7}, ref_unused
     check(dist_run(WORLD, zerodp_run, config(2), EP, 4, MICRO_BS, **options), 1, options, steps=4)
+
+
+# bf16 tolerance, tests/dist/test_precision.py's: 2 bf16 ulps relative (8e-3) on losses and parameters. The reference
+# rounds each weight gradient to bf16 once over the global batch, zerodp rounds each rank's and sums bf16 values over
+# ranks; the layer's own arithmetic (gate, experts, weighted sum) is the same code in bf16 on both sides. SGD: an Adam
+# step turns a near-zero gradient's rounding into an lr-sized move (STYLE.md, Tests).
+BF16_RTOL = 8e-3
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ep2_dp2_bf16_matches_mixed_precision(dist_run, stage):
+    cfg = {**config(stage), "bf16": {"enabled": True}}
+    results = dist_run(WORLD, zerodp_run, cfg, EP, STEPS, MICRO_BS, "sgd", **TOP2)
+    ref_losses, ref_params = mixed_reference_run(torch.bfloat16, "sgd", STEPS, WORLD, MICRO_BS, CLIP, **TOP2)
+    ref_init = mixed_reference_run(torch.bfloat16, "sgd", 0, WORLD, MICRO_BS, CLIP, **TOP2)[1]
+    assert max((ref_params[k] - ref_init[k]).abs().max().item() for k in ref_init) > 1e-2, "the reference must train"
+    for rank, (losses, params, _, _, _) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=BF16_RTOL, atol=0)
+        for key, value in params.items():
+            ref = ref_params[key]
+            close = (value.float() - ref).abs() <= BF16_RTOL * (ref.abs() + ref.abs().max())
+            assert bool(close.all()), f"rank {rank} {key}: {int((~close).sum())} elements beyond 2 bf16 ulps"
+    assert set(results[0][1]) | set(results[1][1]) == set(ref_params)  # every expert compared
 
 
 def test_what_is_not_implemented_is_refused(dist_run):

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 
 from .activation_checkpointing import ActivationCheckpointingConfig
 from .compat import normalize
+from .expert_parallel import ExpertParallelConfig
 from .precision import DTYPE_NAMES, BF16Config, DataTypesConfig, FP16Config, GradDtype, TorchAutocastConfig, dtype_name  # noqa: F401
 from .strict import _NOT_SUPPORTED, StrictModel, refuse_vissl  # noqa: F401 (_NOT_SUPPORTED: the docs render it)
 
@@ -229,6 +230,9 @@ class ZeroConfig(StrictModel):
                                                 "FLOP/s of one optimizer step (torch.utils.flop_counter).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig,
         description="ZeRO-R: how checkpointed regions keep their inputs (docs/activations.md).")
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig, description="DeepSpeed's "
+                                                  "AutoEP section: transformers' packed experts split over ranks "
+                                                  "(docs/moe_ep.md).")
 
     # Set by load_config: no-effect keys to log once at start-up, and "auto" keys config/auto.py resolves.
     _notes: list[str] = PrivateAttr(default_factory=list)

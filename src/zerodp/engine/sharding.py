@@ -65,7 +65,8 @@ def build_sharding(model: nn.Module, optimizer: Any, config: ZeroConfig, process
     # whole tensors of it (flat/whole_tensor_layout.py); no configuration, the optimizer decides.
     whole = [needs_whole_tensors(m) for m in members(user_opt)]
     # MoE layers (moe/): their expert-parallel groups made and bound; experts start from their own group's first rank
-    experts = ExpertPlan.of(model, process_group)
+    experts = ExpertPlan.of(model, process_group, config.expert_parallel.autoep_size if config.expert_parallel.enabled
+                            else None)
     broadcast_module_state(model, process_group, skip=set() if experts is None else set(experts.ep_size_of()))
     if experts is not None:
         experts.broadcast_experts()

@@ -4,6 +4,8 @@
     all_to_all.py      the differentiable all-to-all of dispatch and combine
     layer.py           MoELayer (route, dispatch, local experts, combine), MoE (DeepSpeed's arguments), the
                        registry answering is_expert_parameter
+    packed.py          PackedExperts: transformers' packed experts (3-D [E, ...] tensors) split on the expert
+                       dimension, tokens moved around the module's own forward by two hooks
     expert_groups.py   the expert-parallel and expert-data-parallel groups; a model's dense/expert split
     sharding.py        the engine's strategy over both parts (stages 0-3) and the norm over both groups
     consolidate.py     the single-process model's state dict from a live engine

@@ -17,9 +17,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: comm.ProcessGroup, tag: str) -> torch.Tensor:
         ctx.group, ctx.tag = group, tag
-        out = torch.empty_like(tensor)
-        comm.all_to_all(out, tensor.contiguous(), group, tag=tag)
-        return out
+        return _exchange(tensor, group, tag)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -32,6 +30,14 @@ def all_to_all(tensor: torch.Tensor, group: comm.ProcessGroup, tag: str = "moe")
         return tensor
     if tensor.requires_grad:
         return _AllToAll.apply(tensor, group, tag)
+    return _exchange(tensor, group, tag)
+
+
+def _exchange(tensor: torch.Tensor, group: comm.ProcessGroup, tag: str) -> torch.Tensor:
+    # contiguous first: empty_like keeps a permuted tensor's strides (a gradient from einsum's backward is one),
+    # while all_to_all_single reads and writes memory in row-major order; a permuted `out` would scramble the
+    # slots (seen as wrong expert gradients whenever the capacity was 2 or more)
+    tensor = tensor.contiguous()
     out = torch.empty_like(tensor)
-    comm.all_to_all(out, tensor.contiguous(), group, tag=tag)
+    comm.all_to_all(out, tensor, group, tag=tag)
     return out

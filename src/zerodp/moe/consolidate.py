@@ -1,5 +1,6 @@
 """The unsharded model of an expert-parallel run: `expert_full_state_dict`, the single-process model's state dict
-(every expert under its global index), from a live engine at stages 0-3.
+(every expert under its global index; packed experts' tensors concatenated back on the expert dimension), from a
+live engine at stages 0-3.
 
 Each unit is gathered over the group its shards split over (a dense one over all ranks, an expert one over its
 expert-data-parallel group), from the fp32 masters. A local expert `...experts.<i>` of expert-parallel rank j
@@ -17,6 +18,7 @@ import torch
 from .. import comm
 from ..checkpoint.consolidate import gather_flat
 from .expert_groups import ExpertPlan
+from .packed import PackedExperts
 
 
 def shard_group(unit) -> comm.ProcessGroup:
@@ -24,11 +26,18 @@ def shard_group(unit) -> comm.ProcessGroup:
     return unit.process_group if hasattr(unit, "process_group") else unit.shards.process_group
 
 
-def global_expert_names(module: torch.nn.Module, plan: ExpertPlan) -> dict[str, str]:
-    """Local state-dict key -> the single-process model's key, for every expert parameter and buffer."""
+def global_expert_names(module: torch.nn.Module, plan: ExpertPlan, packed_ok: bool = False) -> dict[str, str]:
+    """Local state-dict key -> the single-process model's key, for every expert parameter and buffer of the MoE
+    layers (`packed_ok`: packed experts, which keep their names, are left out instead of refused)."""
     module_names = {id(m): n for n, m in module.named_modules()}
     renamed = {}
     for layer in plan.layers:
+        if isinstance(layer, PackedExperts):
+            if packed_ok:
+                continue
+            raise NotImplementedError(f"checkpoints of packed experts split by expert_parallel.autoep_size "
+                                      f"({layer.name}) are not implemented; save engine.full_state_dict() (the "
+                                      f"single-process model's state dict) instead")
         for local, expert in enumerate(layer.experts):
             name = module_names[id(expert)]
             parent, _, index = name.rpartition(".")
@@ -58,18 +67,27 @@ def expert_full_state_dict(engine, plan: ExpertPlan, rank0_only: bool = True) ->
                 raise NotImplementedError(f"full_state_dict of an expert-parallel model with a frozen parameter "
                                           f"({key}) is not implemented")
             values[key] = value.detach().float().cpu().clone() if value.is_floating_point() else value.cpu()
-    renamed = global_expert_names(engine.module, plan)
+    renamed = global_expert_names(engine.module, plan, packed_ok=True)
+    # packed experts keep their names; rank j's tensors are experts j*L.. of the single-process tensor
+    packed = {names[id(p)] for layer in plan.layers if isinstance(layer, PackedExperts)
+              for p in layer.expert_parameters()}
     group = engine.process_group
     largest = max(plan.groups)
     if any(size != largest for size in plan.groups):
         raise NotImplementedError("full_state_dict with MoE layers of different ep_size is not implemented")
-    # ranks 0..P-1 (the first expert-parallel group) hold every expert once
-    mine = {renamed[k]: v for k, v in values.items() if k in renamed} if comm.get_rank(group) < largest else {}
-    experts = {}
-    for part in comm.all_gather_object(mine, group):  # note: every expert travels once, pickled (small models)
+    # ranks 0..P-1 (the first expert-parallel group) hold every expert once, rank j the j-th of each packed tensor
+    first_group = comm.get_rank(group) < largest
+    mine = {renamed[k]: v for k, v in values.items() if k in renamed} if first_group else {}
+    slices = {k: values[k] for k in packed} if first_group else {}
+    experts, pieces = {}, {k: [] for k in packed}
+    # note: every expert travels once, pickled (small models); parts come in rank order, so in expert order
+    for part, part_slices in comm.all_gather_object((mine, slices), group):
         experts.update(part)
+        for k, v in part_slices.items():
+            pieces[k].append(v)
     if rank0_only and comm.get_rank(group) != 0:
         return {}
-    out: dict[str, torch.Tensor] = OrderedDict((k, v) for k, v in values.items() if k not in renamed)
+    out: dict[str, torch.Tensor] = OrderedDict((k, torch.cat(pieces[k]) if k in packed else v)
+                                               for k, v in values.items() if k not in renamed)
     out.update(sorted(experts.items()))
     return out

@@ -27,6 +27,7 @@ from .. import comm
 from ..comm.topology import consecutive_groups, strided_groups
 from ..errors import ConfigError
 from .layer import MoELayer
+from .packed import PackedExperts, find_packed_experts
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class ExpertGroups:
         """Every rank of `process_group` calls this, for each ep_size in the same order (collective)."""
         world = comm.get_world_size(process_group)
         if ep_size < 1 or world % ep_size:
-            raise ConfigError(f"a MoE layer has ep_size={ep_size}, which does not divide the {world} data-parallel "
-                              f"ranks; use an ep_size that divides the world size")
+            raise ConfigError(f"expert-parallel size {ep_size} (a MoE layer's ep_size, or expert_parallel.autoep_size) "
+                              f"does not divide the {world} data-parallel ranks; use a size that divides the world size")
         whole = process_group if process_group is not None else dist.group.WORLD  # a group object, never None
         if world == 1:
             return cls(ep_size, whole, whole)
@@ -64,13 +65,16 @@ class ExpertPlan:
     """A model's MoE layers, bound to their groups, and the split of each optimizer group into dense and expert
     parameters (one expert part per ep_size)."""
 
-    layers: list[MoELayer]
+    layers: list  # MoELayer and PackedExperts (packed.py): ep_size, expert_parameters(), bind, unbind
     groups: dict[int, ExpertGroups] = field(default_factory=dict)  # by ep_size, in increasing ep_size
 
     @classmethod
-    def of(cls, model: nn.Module, process_group: comm.ProcessGroup) -> Optional["ExpertPlan"]:
-        """None when the model has no MoE layer; otherwise the groups made and bound to every layer."""
-        layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    def of(cls, model: nn.Module, process_group: comm.ProcessGroup,
+           packed_ep_size: Optional[int] = None) -> Optional["ExpertPlan"]:
+        """None when the model has no MoE layer; otherwise the groups made and bound to every layer.
+        `packed_ep_size` (config `expert_parallel.autoep_size`, None when not enabled): split the model's packed experts (packed.py) over
+        that many ranks; binding keeps each rank's own experts."""
+        layers = [m for m in model.modules() if isinstance(m, MoELayer)] + find_packed_experts(model, packed_ep_size)
         if not layers:
             return None
         plan = cls(layers)
@@ -94,7 +98,7 @@ class ExpertPlan:
     def close(self, process_group: comm.ProcessGroup) -> None:
         """Unbind the layers and destroy the groups (collective: every rank, at the engine's close)."""
         for layer in self.layers:
-            layer.ep_group = None
+            layer.unbind()
         for groups in self.groups.values():
             groups.close(process_group)
         self.groups = {}

@@ -41,7 +41,8 @@ from .gating import TopKGate
 _EXPERT_PARAMETERS: dict[int, tuple[weakref.ref, int]] = {}
 
 
-def _register(param: nn.Parameter, ep_size: int) -> None:
+def register_expert_parameter(param: nn.Parameter, ep_size: int) -> None:
+    """Record `param` as an expert's of a layer split over `ep_size` ranks (what `is_expert_parameter` answers)."""
     key = id(param)
     _EXPERT_PARAMETERS[key] = (weakref.ref(param, lambda _ref: _EXPERT_PARAMETERS.pop(key, None)), ep_size)
 
@@ -76,7 +77,7 @@ class MoELayer(nn.Module):
         self.l_aux: Optional[torch.Tensor] = None
         self.exp_counts: Optional[torch.Tensor] = None
         for p in self.expert_parameters():
-            _register(p, ep_size)
+            register_expert_parameter(p, ep_size)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """This rank's experts' parameters (sharded over the expert-data-parallel group)."""
@@ -89,6 +90,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"an expert-parallel group of {size} ranks bound to a MoE layer with ep_size="
                              f"{self.ep_size}; the group must have ep_size ranks")
         self.ep_group, self.ep_rank = ep_group, comm.get_rank(ep_group)
+
+    def unbind(self) -> None:
+        """Forget the expert-parallel group (the engine closed and destroyed it)."""
+        self.ep_group = None
 
     def global_expert_index(self, local_index: int) -> int:
         """The index among all E experts of this rank's local expert `local_index`."""
