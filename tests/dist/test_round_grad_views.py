@@ -89,5 +89,6 @@ def test_stray_backward_is_refused_under_round_views(dist_run, stage):
     for (c, _), (s, attaches) in zip(clean, stray):
         assert attaches > 0
         assert s["error"] is not None and "call engine.backward(loss) instead of loss.backward()" in s["error"]
-        for a, b in zip(c["params"], s["params"]):
-            assert torch.equal(a, b), "the stray gradient must not reach the next step"
+        assert c["params"].keys() == s["params"].keys()
+        for key, value in c["params"].items():
+            assert torch.equal(value, s["params"][key]), f"{key}: the stray gradient must not reach the next step"

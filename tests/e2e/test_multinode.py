@@ -20,6 +20,7 @@ from tests.e2e.multinode_check import TINY, free_port as _free_port
 from tests.e2e.test_train import metric_steps, zerodp as run_zerodp
 
 
+@pytest.mark.slow  # 27 s: make test-slow (CI runs it), keeping make test under 15 minutes
 @pytest.mark.timeout(900)  # four launches, each with its own timeout
 def test_two_nodes_then_resume_on_one_node_with_two_ranks(tmp_path):
     out = tmp_path / "two-nodes"

@@ -50,6 +50,7 @@ def _run(mode: str, tmp: Path) -> dict[int, tuple[float, list]]:
     return result
 
 
+@pytest.mark.slow  # 40 s on 2 cores: make test-slow (CI runs it), keeping make test under 15 minutes
 @pytest.mark.timeout(900)
 def test_offload_with_a_users_config_grows_rss_at_most_a_quarter_of_no_offload(tmp_path):
     offload, plain = _run("both", tmp_path), _run("none", tmp_path)

@@ -14,6 +14,7 @@ from tests.e2e.teardown_check import check
 SUITE_RUNS = 6  # the 50-run check is `python tests/e2e/teardown_check.py --runs 50` (see its docstring)
 
 
+@pytest.mark.slow  # 29 s: make test-slow (CI runs it), keeping make test under 15 minutes
 @pytest.mark.timeout(300)
 def test_readme_script_under_torchrun_exits_0_every_time(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -24,6 +24,7 @@ def share_of_one_rank(tp: int) -> int:
     return sum(p.numel() // tp if name in specs else p.numel() for name, p in model.named_parameters())
 
 
+@pytest.mark.slow  # 27 s: make test-slow (CI runs it), keeping make test under 15 minutes
 @pytest.mark.timeout(240)
 def test_train_with_tensor_parallelism(tmp_path):
     out = tmp_path / "run"
