@@ -60,8 +60,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def config(stage: int, bf16: bool = False) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO_BS, "gradient_clipping": CLIP, "expert_parallel": {"enabled": True, "autoep_size": EP},
+def config(stage: int, bf16: bool = False, ep: int = EP) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BS, "gradient_clipping": CLIP, "expert_parallel": {"enabled": True, "autoep_size": ep},
            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else
                                                     {"reduce_bucket_size": 2000})}}
     if bf16:
@@ -118,17 +118,51 @@ def refusals_case() -> list[str]:
         zerodp.initialize(model, sgd(model.parameters()), config(2))
     model = make("mixtral")
     engine = zerodp.initialize(model, sgd(model.parameters()), config(1))
-    with tempfile.TemporaryDirectory() as folder, pytest.raises(NotImplementedError, match="checkpoints of packed "
-                                                                "experts .* save engine.full_state_dict"):
-        engine.save_checkpoint(folder)
     engine.close()
     with pytest.raises(RuntimeError, match="holds 2 of 4 experts .* its engine is closed"):
         model(input_ids=batch(0, 1))
     return messages
 
 
+def _train_steps(engine, steps: range) -> list[float]:
+    rank, losses = dist.get_rank(), []
+    for step in steps:
+        ids = batch(step, MICRO_BS * WORLD)[rank * MICRO_BS:(rank + 1) * MICRO_BS]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / WORLD)
+    return losses
+
+
+def resume_case():
+    """Mixtral trained half its steps at EP 2 x DP 2, stage 3, saved (each rank's piece of every packed tensor), then
+    loaded into a model with other weights at EP 4 x DP 1, stage 1 (one expert per rank), and trained on: the run
+    must be the uninterrupted single-process one. Returns the losses and the full state dict at the end."""
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    model = make("mixtral")
+    engine = zerodp.initialize(model, sgd(model.parameters()), config(3))
+    losses = _train_steps(engine, range(STEPS // 2))
+    engine.save_checkpoint(folder[0])
+    engine.close()
+    model = make("mixtral")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # other weights: the load must set every value
+    engine = zerodp.initialize(model, sgd(model.parameters()), config(1, ep=4))
+    engine.load_checkpoint(folder[0])
+    losses += _train_steps(engine, range(STEPS // 2, STEPS))
+    full = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return losses, full
+
+
 def run_all():
     results = {case: train_case(*case) for case in CASES}
+    results["resume"] = resume_case()
     results.update({("mixtral", stage, "bf16"): train_case("mixtral", stage, True) for stage in BF16_STAGES})
     results[("qwen3_moe", 2, "recompute")] = train_case("qwen3_moe", 2, recompute=True)
     results["refusals"] = refusals_case()
@@ -228,3 +262,13 @@ def test_hf_packed_experts_bf16_with_expert_parallelism_equal_mixed_precision(re
 def test_a_model_zerodp_cannot_split_is_refused(results):
     message = results[0]["refusals"][0]
     assert "zerodp.moe.MoE(..., ep_size=2)" in message and "remove the expert_parallel section" in message
+
+
+def test_packed_experts_checkpoint_loads_at_another_expert_parallel_size(results):
+    """Saved at EP 2 x DP 2 (stage 3), loaded at EP 4 x DP 1 (stage 1): the resumed run equals the uninterrupted
+    single-process one (moe/checkpoint.py joins each packed tensor's pieces and cuts this rank's experts out)."""
+    ref = reference("mixtral")
+    for rank, result in enumerate(results):
+        losses, full = result["resume"]
+        assert set(full) == set(ref.params), sorted(set(full) ^ set(ref.params))
+        assert_matches_reference(rank, losses, full, ref.losses, ref.params, "mixtral saved at EP 2, resumed at EP 4")

@@ -13,6 +13,10 @@ Per parameter: `value` (fp32), `state` (its slice of every elementwise optimizer
 scalar state, e.g. Adam's step) and `step` (its own step count, where it keeps one: optim/step_counts.py).
 Loading, each rank reads every file (whole tensors: sized for models whose state fits one host) and cuts its
 shards out of the whole tensors by its own layout, whatever the sizes were at save.
+
+Packed experts (moe/packed.py: one tensor [E, ...] per weight, rank j holding experts j*L .. j*L+L-1 under the
+model's own name) are saved as one entry per expert-parallel rank, `<name>#experts<j*L>`; loading puts the pieces
+back in expert order and cuts this rank's experts out, so they too load at another expert-parallel size.
 """
 
 from __future__ import annotations
@@ -27,14 +31,73 @@ from ..checkpoint.consolidate import gather_flat
 from ..errors import CheckpointError
 from .consolidate import global_expert_names, shard_group
 from .expert_groups import ExpertPlan
+from .packed import PackedExperts
 
 LATEST = "latest"
 
 
+PACKED = "#experts"  # <name>#experts<first global expert>: one rank's piece of a packed-experts tensor
+
+
+def _packed_pieces(plan: ExpertPlan) -> dict[int, tuple[int, int]]:
+    """id(parameter) -> (its first global expert, its number of experts), for packed experts' parameters."""
+    return {id(p): (layer.global_expert_index(0), layer.num_local_experts) for layer in plan.layers
+            if isinstance(layer, PackedExperts) for p in layer.expert_parameters()}
+
+
 def _names(engine, plan: ExpertPlan) -> dict[int, str]:
-    """id(parameter) -> its single-process name."""
+    """id(parameter) -> its single-process name (a packed expert tensor's piece: see the module docstring)."""
     renamed = global_expert_names(engine.module, plan)
-    return {id(p): renamed.get(n, n) for n, p in engine.module.named_parameters()}
+    pieces = _packed_pieces(plan)
+    return {id(p): f"{n}{PACKED}{pieces[id(p)][0]}" if id(p) in pieces else renamed.get(n, n)
+            for n, p in engine.module.named_parameters()}
+
+
+def _join_packed(entries: dict[str, dict]) -> dict[str, dict]:
+    """Each packed tensor's pieces (`<name>#experts<first>`) as one entry `<name>` holding every expert, in order.
+    Pieces whose scalar state or step counts differ (an expert-parallel rank that got no token in some step) cannot
+    be one tensor of one optimizer's state: they stay as saved, loadable only at the same expert-parallel size."""
+    pieces: dict[str, list[tuple[int, str]]] = {}
+    for key in entries:
+        if PACKED in key:
+            name, _, first = key.rpartition(PACKED)
+            pieces.setdefault(name, []).append((int(first), key))
+    for name, parts in pieces.items():
+        parts = [entries[key] for _, key in sorted(parts)]
+        entry = parts[0]
+        if any(other["step"] != entry["step"] or other["scalars"].keys() != entry["scalars"].keys() or any(
+                not torch.equal(torch.as_tensor(other["scalars"][k]), torch.as_tensor(entry["scalars"][k]))
+                for k in entry["scalars"]) for other in parts[1:]):
+            continue
+        entries[name] = {"value": torch.cat([part["value"] for part in parts]),
+                         "state": {k: torch.cat([part["state"][k] for part in parts]) for k in entry["state"]},
+                         "scalars": entry["scalars"], "step": entry["step"]}
+    return entries
+
+
+def _cut_packed(entries: dict[str, dict], engine, plan: ExpertPlan, folder) -> None:
+    """This rank's experts of every packed tensor, under the names `_names` gives them (module docstring)."""
+    pieces = _packed_pieces(plan)
+    for name, p in engine.module.named_parameters():
+        if id(p) not in pieces:
+            continue
+        first, count = pieces[id(p)]
+        key = f"{name}{PACKED}{first}"
+        if key in entries and entries[key]["value"].shape[0] == count:
+            continue  # saved at this expert-parallel size: this rank's piece as it was
+        whole = entries.get(name)
+        if whole is None:
+            if any(k.startswith(name + PACKED) for k in entries):
+                raise CheckpointError(f"{folder}: the expert-parallel ranks' pieces of {name} were stepped a different "
+                                      f"number of times (one rank's experts got no token in some step), so they are "
+                                      f"not one tensor's optimizer state; load this checkpoint at the "
+                                      f"expert-parallel size it was saved with")
+            continue  # not in the checkpoint at all: reported with the other missing parameters
+        if whole["value"].shape[0] < first + count:
+            raise CheckpointError(f"the checkpoint's {name} holds {whole['value'].shape[0]} experts; this model "
+                                  f"has more: it was saved from another model (or with other num_experts)")
+        entries[key] = {"value": whole["value"][first:first + count], "scalars": whole["scalars"],
+                        "step": whole["step"], "state": {k: v[first:first + count] for k, v in whole["state"].items()}}
 
 
 @torch.no_grad()
@@ -69,7 +132,8 @@ def save_expert_checkpoint(engine, plan: ExpertPlan, save_dir, tag: Optional[str
     entries = _whole_entries(engine, plan)
     group = engine.process_group
     rank = comm.get_rank(group)
-    experts = set(global_expert_names(engine.module, plan).values())
+    experts = set(global_expert_names(engine.module, plan).values()) | {
+        k for k in entries if PACKED in k}
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     comm.all_gather_object(None, group)  # note: a barrier, the folder exists before anyone writes into it
@@ -108,6 +172,7 @@ def load_expert_checkpoint(engine, plan: ExpertPlan, load_dir, tag: Optional[str
     entries = dict(dense["params"])
     for path in sorted(folder.glob("experts_ep*.pt")):
         entries.update(torch.load(path, weights_only=False))
+    _cut_packed(_join_packed(entries), engine, plan, folder)
     names = _names(engine, plan)
     missing = sorted(n for n in names.values() if n not in entries)
     if missing:

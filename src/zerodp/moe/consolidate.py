@@ -26,18 +26,14 @@ def shard_group(unit) -> comm.ProcessGroup:
     return unit.process_group if hasattr(unit, "process_group") else unit.shards.process_group
 
 
-def global_expert_names(module: torch.nn.Module, plan: ExpertPlan, packed_ok: bool = False) -> dict[str, str]:
+def global_expert_names(module: torch.nn.Module, plan: ExpertPlan) -> dict[str, str]:
     """Local state-dict key -> the single-process model's key, for every expert parameter and buffer of the MoE
-    layers (`packed_ok`: packed experts, which keep their names, are left out instead of refused)."""
+    layers (packed experts keep their names: only their expert dimension is split, see expert_full_state_dict)."""
     module_names = {id(m): n for n, m in module.named_modules()}
     renamed = {}
     for layer in plan.layers:
         if isinstance(layer, PackedExperts):
-            if packed_ok:
-                continue
-            raise NotImplementedError(f"checkpoints of packed experts split by expert_parallel.autoep_size "
-                                      f"({layer.name}) are not implemented; save engine.full_state_dict() (the "
-                                      f"single-process model's state dict) instead")
+            continue
         for local, expert in enumerate(layer.experts):
             name = module_names[id(expert)]
             parent, _, index = name.rpartition(".")
@@ -67,7 +63,7 @@ def expert_full_state_dict(engine, plan: ExpertPlan, rank0_only: bool = True) ->
                 raise NotImplementedError(f"full_state_dict of an expert-parallel model with a frozen parameter "
                                           f"({key}) is not implemented")
             values[key] = value.detach().float().cpu().clone() if value.is_floating_point() else value.cpu()
-    renamed = global_expert_names(engine.module, plan, packed_ok=True)
+    renamed = global_expert_names(engine.module, plan)
     # packed experts keep their names; rank j's tensors are experts j*L.. of the single-process tensor
     packed = {names[id(p)] for layer in plan.layers if isinstance(layer, PackedExperts)
               for p in layer.expert_parameters()}
