@@ -101,7 +101,7 @@ class _Chunks(nn.Module):
 
 
 def mixed_reference_run(dtype: torch.dtype, optimizer: str, steps: int, world: int, micro_bs: int, clip: float,
-                        **moe_options):
+                        loss_scale: float = 1.0, **moe_options):
     """`mixed_precision_reference` (tests/oracle.py) for the single-process MoE model in `dtype`: losses and
     parameters (the low-precision model's, as fp32) after `steps` steps on the ranks' chunks."""
     from tests.oracle import mixed_precision_reference
@@ -113,7 +113,8 @@ def mixed_reference_run(dtype: torch.dtype, optimizer: str, steps: int, world: i
     chunks = ([micro_batch(step, 0, rank, world, micro_bs, 1) for rank in range(world)] for step in range(steps))
     batches = (([x.to(dtype) for x, _ in c], [y for _, y in c]) for c in chunks)
     model = _Chunks(full_model(**moe_options).to(dtype))
-    losses, params = mixed_precision_reference(model, lambda m: make_optimizer(optimizer, m), batches, loss_fn, clip)
+    losses, params = mixed_precision_reference(model, lambda m: make_optimizer(optimizer, m), batches, loss_fn, clip,
+                                               loss_scale)
     return losses, {k.removeprefix("model."): v for k, v in params.items()}
 
 

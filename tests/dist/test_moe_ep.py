@@ -69,26 +69,31 @@ def test_experts_of_one_rank_without_any_token(dist_run):
     check(dist_run(WORLD, zerodp_run, config(2), EP, 4, MICRO_BS, **options), 1, options, steps=4)
 
 
-# bf16 tolerance, tests/dist/test_precision.py's: 2 bf16 ulps relative (8e-3) on losses and parameters. The reference
-# rounds each weight gradient to bf16 once over the global batch, zerodp rounds each rank's and sums bf16 values over
-# ranks; the layer's own arithmetic (gate, experts, weighted sum) is the same code in bf16 on both sides. SGD: an Adam
-# step turns a near-zero gradient's rounding into an lr-sized move (STYLE.md, Tests).
-BF16_RTOL = 8e-3
+# 16-bit tolerances, tests/dist/test_precision.py's: 2 ulps relative on losses and parameters (bf16 8e-3, fp16
+# 1e-3). The reference rounds each weight gradient to 16 bits once over the global batch, zerodp rounds each rank's
+# and sums 16-bit values over ranks; the layer's own arithmetic (gate, experts, weighted sum) is the same code in
+# 16 bits on both sides. SGD: an Adam step turns a near-zero gradient's rounding into an lr-sized move (STYLE.md,
+# Tests). fp16 with a static loss scale of 256 on both sides (the reference scales and unscales as zerodp does).
+RTOL = {"bf16": 8e-3, "fp16": 1e-3}
+SECTION = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True, "loss_scale": 256}}}
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_ep2_dp2_bf16_matches_mixed_precision(dist_run, stage):
-    cfg = {**config(stage), "bf16": {"enabled": True}}
+@pytest.mark.parametrize("precision,stage", [("bf16", 2), ("bf16", 3), ("fp16", 2)])
+def test_ep2_dp2_16_bits_matches_mixed_precision(dist_run, precision, stage):
+    cfg = {**config(stage), **SECTION[precision]}
     results = dist_run(WORLD, zerodp_run, cfg, EP, STEPS, MICRO_BS, "sgd", **TOP2)
-    ref_losses, ref_params = mixed_reference_run(torch.bfloat16, "sgd", STEPS, WORLD, MICRO_BS, CLIP, **TOP2)
-    ref_init = mixed_reference_run(torch.bfloat16, "sgd", 0, WORLD, MICRO_BS, CLIP, **TOP2)[1]
+    scale = 256.0 if precision == "fp16" else 1.0
+    ref_losses, ref_params = mixed_reference_run(DTYPE[precision], "sgd", STEPS, WORLD, MICRO_BS, CLIP, scale, **TOP2)
+    ref_init = mixed_reference_run(DTYPE[precision], "sgd", 0, WORLD, MICRO_BS, CLIP, scale, **TOP2)[1]
     assert max((ref_params[k] - ref_init[k]).abs().max().item() for k in ref_init) > 1e-2, "the reference must train"
+    rtol = RTOL[precision]
     for rank, (losses, params, _, _, _) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=BF16_RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
         for key, value in params.items():
             ref = ref_params[key]
-            close = (value.float() - ref).abs() <= BF16_RTOL * (ref.abs() + ref.abs().max())
-            assert bool(close.all()), f"rank {rank} {key}: {int((~close).sum())} elements beyond 2 bf16 ulps"
+            close = (value.float() - ref).abs() <= rtol * (ref.abs() + ref.abs().max())
+            assert bool(close.all()), f"rank {rank} {key}: {int((~close).sum())} elements beyond 2 {precision} ulps"
     assert set(results[0][1]) | set(results[1][1]) == set(ref_params)  # every expert compared
 
 
