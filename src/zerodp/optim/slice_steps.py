@@ -1,0 +1,126 @@
+"""torch's update of slices of flat chunks, each slice with its own step count: `SliceSteps`.
+
+step_counts.py steps the parameters that missed a step, or got a gradient behind their chunk's count, on their
+own ([Note: sliced chunks] there): one step of the user's optimizer class, with its group's options, over views
+of the chunks (as parameters), of their gradients (as .grad) and of their state, each view with its own `step`.
+torch updates the views in place, so the result lands in the chunks themselves: no copy in, none back.
+
+What does not change from one step to the next is kept (a 64-expert MoE steps ~40 such slices at every step):
+  - one temporary optimizer per inner group, built once: at each step its group takes the inner group's options
+    anew (a schedule changes `lr`) and its parameters and state are the step's slices; both are emptied after
+    the step, so it holds no view of a gradient or of offloaded state between steps;
+  - per chunk, the views of its state, made again when the chunk's state tensors are not those they view (a
+    checkpoint load, an offload window that brought the state back into other buffers; `forget` drops them all),
+    and per slice, the view of the chunk and a `step` tensor of its own (torch increments it in place).
+A slice's gradient view is made at every step: the gradient is a new tensor each time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .inner import rebuild
+
+# views kept at most (slices of chunks seen): a model whose slices vary without bound cannot grow this forever
+MAX_CACHED_SLICES = 1 << 14
+
+
+class _ChunkViews:
+    """One chunk's cached views: of its state tensors (valid while `bases` are its state's tensors), and per
+    slice (start, stop) the chunk's view and a `step` tensor."""
+
+    __slots__ = ("chunk", "bases", "length", "slices")
+
+    def __init__(self, chunk: torch.Tensor, state: dict) -> None:
+        self.chunk = chunk
+        # the elementwise state, shaped like the chunk (Adam's exp_avg, exp_avg_sq, amsgrad's max_exp_avg_sq)
+        self.bases = tuple((k, v) for k, v in state.items() if torch.is_tensor(v) and v.shape == chunk.shape)
+        self.length = len(state)
+        self.slices: dict[tuple[int, int], list] = {}
+
+    def valid(self, chunk: torch.Tensor, state: dict) -> bool:
+        return self.chunk is chunk and len(state) == self.length and all(state.get(k) is v for k, v in self.bases)
+
+
+class SliceSteps:
+    """One optimizer step over slices of chunks, each with its own count (module docstring)."""
+
+    def __init__(self) -> None:
+        self._temps: dict[int, tuple[Any, torch.optim.Optimizer]] = {}  # inner group -> (its member, the temporary)
+        self._views: dict[int, _ChunkViews] = {}                        # id(chunk) -> its cached views
+        self._cached = 0                                                # slices held in _views
+
+    def forget(self) -> None:
+        """Drop every cached view (the chunks' state was replaced: a checkpoint load)."""
+        self._views.clear()
+        self._cached = 0
+
+    @torch.no_grad()
+    def step(self, group_index: int, member, group: dict, states, slices: list) -> None:
+        """Step `slices` ((chunk, slice, count) of inner group `group_index`, whose optimizer is `member`), each with
+        its count, as torch steps a parameter of that count. A chunk with no state yet gives its slices fresh state,
+        as torch would, which is dropped afterwards."""
+        leaves, own_states = [], []
+        for chunk, csl, count in slices:
+            state = states.get(chunk)
+            leaf, own = self._slice(chunk, csl, state, count)
+            leaf.grad = chunk.grad[csl]
+            leaves.append(leaf)
+            own_states.append(own)
+        temp = self._temp(group_index, member, group, leaves)
+        for leaf, own in zip(leaves, own_states):
+            if own is not None:
+                temp.state[leaf] = own
+        try:
+            temp.step()
+        finally:  # nothing of this step stays referenced: gradients may be freed, state evicted to its store
+            for leaf in leaves:
+                leaf.grad = None
+            temp.state.clear()
+            temp.param_groups[0]["params"] = []
+
+    def _slice(self, chunk: torch.Tensor, csl: slice, state: Optional[dict], count: int):
+        """(the chunk's view, its state: views of the chunk's state and its own `step` set to `count`; None without
+        state)."""
+        if not state:
+            return chunk[csl], None
+        views = self._views.get(id(chunk))
+        if views is None or not views.valid(chunk, state):
+            if views is not None:
+                self._cached -= len(views.slices)
+            views = self._views[id(chunk)] = _ChunkViews(chunk, state)
+        key = (csl.start, csl.stop)
+        cached = views.slices.get(key)
+        step = state.get("step")
+        if cached is None:
+            if self._cached >= MAX_CACHED_SLICES:
+                self.forget()
+                views = self._views[id(chunk)] = _ChunkViews(chunk, state)
+            # torch's kind of `step` (a CPU float tensor; on the device for fused/capturable): filled, not shared
+            cached = [chunk[csl], {k: v[csl] for k, v in views.bases},
+                      torch.empty_like(step) if torch.is_tensor(step) else None]
+            views.slices[key] = cached
+            self._cached += 1
+        leaf, state_views, own_step = cached
+        own = dict(state_views)
+        if own_step is not None and torch.is_tensor(step) and own_step.dtype == step.dtype \
+                and own_step.device == step.device:
+            own["step"] = own_step.fill_(float(count))
+        else:  # an int `step` (zerodp's FusedAdam), or a step tensor of another kind than the cached one
+            own["step"] = torch.full_like(step, float(count)) if torch.is_tensor(step) else type(step)(count)
+        return leaf, own
+
+    def _temp(self, group_index: int, member, group: dict, leaves: list) -> torch.optim.Optimizer:
+        """The temporary optimizer of this group over `leaves`, with the group's current options."""
+        options = {k: v for k, v in group.items() if k != "params"}
+        kept = self._temps.get(group_index)
+        if kept is None or kept[0] is not member:
+            temp = rebuild(member, [dict(options, params=leaves)])
+            self._temps[group_index] = (member, temp)
+            return temp
+        temp = kept[1]
+        temp.param_groups[0].update(options)
+        temp.param_groups[0]["params"] = leaves
+        return temp
