@@ -12,8 +12,8 @@ So this keeps each parameter's own count on the host (Python ints, units concate
 the same on every rank, since `received` is agreed globally), and each unit's chunk count beside it. At a step, a
 parameter that got a gradient and whose count differs from its chunk's (a "late" parameter) is snapshotted with
 the untouched ones, restored after the chunk step, and then stepped on its own: a temporary optimizer of the same
-class and group options over views of its master slice, of its gradient slice (as .grad) and of its state slices,
-with `step` set to its own count (the same kind of value torch keeps: a tensor like the chunk's `step`, or an
+class and group options (built once per group, slice_steps.py) over views of its master slice, of its gradient
+slice (as .grad) and of its state slices, with `step` set to its own count (the same kind of value torch keeps: a tensor like the chunk's `step`, or an
 int). torch updates them in place, so nothing is copied in or back. The result is torch's update for that
 parameter.
 Nothing here reads a device value: which parameters are late is decided from host lists (tests/unit/
