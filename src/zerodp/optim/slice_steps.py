@@ -61,14 +61,20 @@ class SliceSteps:
     def step(self, group_index: int, member, group: dict, states, slices: list) -> None:
         """Step `slices` ((chunk, slice, count) of inner group `group_index`, whose optimizer is `member`), each with
         its count, as torch steps a parameter of that count. A chunk with no state yet gives its slices fresh state,
-        as torch would, which is dropped afterwards."""
-        leaves, own_states = [], []
+        as torch would, which is dropped afterwards. (chunk, None, None): the chunk itself, with its gradient and
+        its own state, which torch updates as the inner optimizer would (its `step` included)."""
+        leaves, own_states, sliced = [], [], []
         for chunk, csl, count in slices:
             state = states.get(chunk)
+            if csl is None:
+                leaves.append(chunk)
+                own_states.append(state)
+                continue
             leaf, own = self._slice(chunk, csl, state, count)
             leaf.grad = chunk.grad[csl]
             leaves.append(leaf)
             own_states.append(own)
+            sliced.append(leaf)
         temp = self._temp(group_index, member, group, leaves)
         for leaf, own in zip(leaves, own_states):
             if own is not None:
@@ -76,7 +82,7 @@ class SliceSteps:
         try:
             temp.step()
         finally:  # nothing of this step stays referenced: gradients may be freed, state evicted to its store
-            for leaf in leaves:
+            for leaf in sliced:
                 leaf.grad = None
             temp.state.clear()
             temp.param_groups[0]["params"] = []

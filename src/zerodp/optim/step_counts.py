@@ -118,10 +118,12 @@ class StepCounts:
         their parameters that got a gradient, adjacent ones with the same count merged. Stepping those slices alone
         (`step_sliced`) is torch's update for each of them and leaves the others as torch leaves a parameter without
         .grad, with no snapshot and restore of the untouched ones: a 64-expert MoE's step then costs about what
-        the routed experts cost. A chunk whose parameters all got a gradient and have its count is left to the inner
-        optimizer's own step, whole, as are the chunks of a unit where every parameter does; a chunk with no state
-        yet (its first step) goes the snapshot way (optim/optimizer.py), which creates its state. Host lists only
-        (the pieces of each chunk are computed once: chunk_pieces.py); nothing is read from the device."""
+        the routed experts cost. The other chunks of such a unit, whose parameters all got a gradient and have its
+        count, are in the plan too, with None for their slices: stepped whole with their own state in the same call
+        (one foreach call per group, not one for them and another for the slices). A unit where every parameter
+        got a gradient with its count is left to the inner optimizer's own step; a chunk with no state yet (its
+        first step) goes the snapshot way (optim/optimizer.py), which creates its state. Host lists only (the
+        pieces of each chunk are computed once: chunk_pieces.py); nothing is read from the device."""
         if not self.counted_units:
             return {}
         flags = received.tolist() if received is not None else None
@@ -146,9 +148,11 @@ class StepCounts:
                         runs[-1][1] = piece.stop
                     else:
                         runs.append([piece.start, piece.stop, count])
-                if whole or "step" not in states.get(chunk, {}):
+                if "step" not in states.get(chunk, {}):
                     continue
-                plan[id(chunk)] = (index, chunk, [(slice(a, b), count) for a, b, count in runs])
+                # None: the chunk steps whole (every parameter got a gradient with its count), in the same
+                # foreach call as the slices, with its own state
+                plan[id(chunk)] = (index, chunk, None if whole else [(slice(a, b), c) for a, b, c in runs])
         return plan
 
     def step_sliced(self, sharded, plan: dict) -> None:
@@ -156,9 +160,12 @@ class StepCounts:
         inner optimizer's step would have (the chunk count stays the chunk's `step`: loaded_chunk_state)."""
         by_group: dict[int, list] = {}
         for index, chunk, slices in plan.values():
-            by_group.setdefault(self.group_of[index], []).extend((chunk, csl, count) for csl, count in slices)
+            by_group.setdefault(self.group_of[index], []).extend(
+                [(chunk, None, None)] if slices is None else [(chunk, csl, count) for csl, count in slices])
         self._step_groups(sharded, by_group)
-        for _, chunk, _ in plan.values():
+        for _, chunk, slices in plan.values():
+            if slices is None:
+                continue  # stepped whole: torch advanced its `step`
             state = sharded.optimizer.state[chunk]
             step = state["step"]
             if torch.is_tensor(step):
