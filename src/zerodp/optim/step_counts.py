@@ -13,9 +13,10 @@ the same on every rank, since `received` is agreed globally), and each unit's ch
 parameter that got a gradient and whose count differs from its chunk's (a "late" parameter) is snapshotted with
 the untouched ones, restored after the chunk step, and then stepped on its own: a temporary optimizer of the same
 class and group options (built once per group, slice_steps.py) over views of its master slice, of its gradient
-slice (as .grad) and of its state slices, with `step` set to its own count (the same kind of value torch keeps: a tensor like the chunk's `step`, or an
-int). torch updates them in place, so nothing is copied in or back. The result is torch's update for that
-parameter.
+slice (as .grad) and of its state slices, with `step` set to its own count (the same kind of value torch keeps: a
+tensor like the chunk's `step`, or an int). torch updates them in place, so nothing is copied in or back. The
+result is torch's update for that parameter. Once a chunk has state, its slices skip the snapshot altogether
+([Note: sliced chunks] below).
 Nothing here reads a device value: which parameters are late is decided from host lists (tests/unit/
 test_step_syncs.py), and the extra work happens only when one is.
 
@@ -156,8 +157,9 @@ class StepCounts:
         return plan
 
     def step_sliced(self, sharded, plan: dict) -> None:
-        """Step `plan`'s slices (`sliced_chunks`), each with its count, then advance each chunk's own `step` as the
-        inner optimizer's step would have (the chunk count stays the chunk's `step`: loaded_chunk_state)."""
+        """Step `plan`'s slices (`sliced_chunks`), each with its count, and its whole chunks, then advance each sliced
+        chunk's own `step` as the inner optimizer's step would have (the chunk count stays the chunk's `step`:
+        loaded_chunk_state); torch advanced the whole ones'."""
         by_group: dict[int, list] = {}
         for index, chunk, slices in plan.values():
             by_group.setdefault(self.group_of[index], []).extend(
