@@ -165,15 +165,18 @@ class StepCounts:
             by_group.setdefault(self.group_of[index], []).extend(
                 [(chunk, None, None)] if slices is None else [(chunk, csl, count) for csl, count in slices])
         self._step_groups(sharded, by_group)
+        steps = []  # the sliced chunks' tensor counts, advanced in one call
         for _, chunk, slices in plan.values():
             if slices is None:
                 continue  # stepped whole: torch advanced its `step`
             state = sharded.optimizer.state[chunk]
             step = state["step"]
             if torch.is_tensor(step):
-                step.add_(1)
+                steps.append(step)
             else:
                 state["step"] = step + 1
+        if steps:
+            torch._foreach_add_(steps, 1)
 
     def _step_groups(self, sharded, by_group: dict[int, list]) -> None:
         """One step per inner group over its (chunk, slice, count) list (slice_steps.py)."""
