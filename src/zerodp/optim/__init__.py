@@ -2,12 +2,14 @@
 
 Modules:
     checkpoint_state.py  What checkpoints read and set of the sharded optimizer (`seams.CheckpointOptimizer`), per unit.
+    chunk_pieces.py      Each unit's parameters cut at its optimizer chunks, computed once: `ChunkPieces`.
     grad_staging.py      Reduced gradient shards copied into pinned host buffers as they become final: `GradStaging` ...
     inner.py             Building the inner optimizer: from DeepSpeed's `optimizer` section, and again on master shards.
     late_starters.py     Parameters whose gradient came after a step they missed, under an optimizer without ...
     model_parallel.py    ZeRO beside tensor parallelism: the gradient norm and the overflow flag over the whole 2-D ...
     optimizer.py         The sharded optimizer: fp32 master shards, the inner optimizer, clipping, the step, parameter ...
     shared_groups.py     The user's param groups are the inner optimizer's groups: one dict per group, shared.
+    slice_steps.py       torch's update of slices of flat chunks, each with its own step count: `SliceSteps`.
     step_counts.py       Per-parameter step counts for Adam-family optimizers stepped over flat chunks: `StepCounts`.
     step_kernel.py       Which torch implementation steps zerodp's flat fp32 masters: `master_step_settings`.
     step_path.py         Which gradients one optimizer step reads, chosen once: `StepPath` (bound, or transient).

@@ -80,6 +80,7 @@ class CheckpointStateAccess:
     def _load_state_of(self, index: int, state: dict) -> None:
         master = self.masters[index]
         self.step_counts.loaded_chunk_state(index, state)  # the unit's chunk count (optim/step_counts.py)
+        self.step_counts.slice_steps.forget()  # no cached view may keep the replaced state alive (slice_steps.py)
         for chunk, chunk_sl, master_sl in self._chunk_ranges(index, 0, master.numel()):
             self.optimizer.state.pop(chunk, None)
             if state:

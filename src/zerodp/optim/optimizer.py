@@ -60,6 +60,7 @@ from ..precision.policy import LossScaler, PrecisionPolicy
 from ..shard.seams import ShardedUnit
 from .inner import rebuild_kept
 from .late_starters import LateStarters
+from .chunk_pieces import ChunkPieces
 from .step_counts import StepCounts
 from .model_parallel import ModelParallelNorm
 from .checkpoint_state import CheckpointStateAccess
@@ -129,7 +130,8 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         self.shared_groups = share_param_groups(user_optimizer, self.optimizer, self.group_indices)
         # each parameter's own Adam step count ([Note: one step count per parameter] in step_counts.py); the
         # optimizers it does not cover are warned about ([Note: one step count per chunk] in late_starters.py)
-        self.step_counts = StepCounts(units, self.whole, self.optimizer, self.group_indices)
+        self.pieces = ChunkPieces(units, self.chunks, self.whole)  # each chunk's parameters, cut once (chunk_pieces.py)
+        self.step_counts = StepCounts(units, self.whole, self.optimizer, self.group_indices, self.pieces)
         self.late_starters = LateStarters(units)
         if getattr(self.optimizer, "shard_norms", None) is not None:
             self._bind_shard_layout()
@@ -333,25 +335,27 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
                             late: AbstractSet[int] = frozenset()):
         """Save master and state slices of parameters that got no gradient (torch would skip them) and of the
         `late` ones (stepped afterwards with their own counts); `only`: ids of the chunks being stepped (None: all)."""
-        if (received is None or bool(received.all())) and not late:
+        flags = received.tolist() if received is not None else None
+        if (flags is None or all(flags)) and not late:
             return []
         saved, offset = [], 0
         for index, unit in enumerate(self.units):
-            n = len(unit.layout.shapes)
-            flags = received[offset:offset + n] if received is not None else torch.ones(n, dtype=torch.bool)
-            mine = [i - offset for i in late if offset <= i < offset + n]
-            offset += n
-            if (bool(flags.all()) and not mine) or self.whole[index]:
+            lo, offset = offset, offset + len(unit.layout.shapes)
+            if self.whole[index]:
                 continue  # whole tensors: the parameter's .grad is None, torch skips it
-            if only is not None and not any(id(c) in only for c in self.chunks[index]):
-                continue  # none of its chunks is stepped here (another window, or stepped slice by slice)
-            for seg in unit.layout.segments(unit.shard_index):
-                if flags[seg.param_index] and seg.param_index not in mine:
-                    continue
-                for chunk, csl, _ in self._chunk_ranges(index, seg.shard_start, seg.shard_start + seg.numel):
-                    if only is not None and id(chunk) not in only:
+            if (flags is None or all(flags[lo:offset])) and not any(lo <= i < offset for i in late):
+                continue
+            for chunk, pieces in self.pieces.of_unit[index]:
+                if only is not None and id(chunk) not in only:
+                    continue  # not stepped here (another window, or stepped slice by slice)
+                state = None
+                for piece in pieces:
+                    i = lo + piece.param
+                    if (flags is None or flags[i]) and i not in late:
                         continue
-                    state = self.optimizer.state.get(chunk, {})
+                    if state is None:
+                        state = self.optimizer.state.get(chunk, {})
+                    csl = slice(piece.start, piece.stop)
                     tensors = {k: v[csl].clone() for k, v in state.items()
                                if torch.is_tensor(v) and v.shape == chunk.shape}
                     saved.append((chunk, csl, chunk[csl].clone(), tensors))

@@ -12,10 +12,11 @@ So this keeps each parameter's own count on the host (Python ints, units concate
 the same on every rank, since `received` is agreed globally), and each unit's chunk count beside it. At a step, a
 parameter that got a gradient and whose count differs from its chunk's (a "late" parameter) is snapshotted with
 the untouched ones, restored after the chunk step, and then stepped on its own: a temporary optimizer of the same
-class and group options over views of its master slice, of its gradient slice (as .grad) and of its state slices,
-with `step` set to its own count (the same kind of value torch keeps: a tensor like the chunk's `step`, or an
-int). torch updates them in place, so nothing is copied in or back. The result is torch's update for that
-parameter.
+class and group options (built once per group, slice_steps.py) over views of its master slice, of its gradient
+slice (as .grad) and of its state slices, with `step` set to its own count (the same kind of value torch keeps: a
+tensor like the chunk's `step`, or an int). torch updates them in place, so nothing is copied in or back. The
+result is torch's update for that parameter. Once a chunk has state, its slices skip the snapshot altogether
+([Note: sliced chunks] below).
 Nothing here reads a device value: which parameters are late is decided from host lists (tests/unit/
 test_step_syncs.py), and the extra work happens only when one is.
 
@@ -33,8 +34,10 @@ from typing import Optional
 import torch
 
 from ..optimizers.fused_adam import FusedAdam
-from .inner import members, rebuild
+from .chunk_pieces import ChunkPieces
+from .inner import members
 from ..optimizers.larc import LARC
+from .slice_steps import SliceSteps
 
 # elementwise updates whose only scalar state is `step`: a slice steps on its own exactly as within its chunk
 COUNTED = (torch.optim.Adam, torch.optim.AdamW, FusedAdam)
@@ -48,14 +51,19 @@ def keeps_counts(member) -> bool:
 class StepCounts:
     """Each parameter's own step count, and each unit's chunk count (module docstring)."""
 
-    def __init__(self, units: list, whole: list[bool], optimizer, group_indices: list[int]) -> None:
+    def __init__(self, units: list, whole: list[bool], optimizer, group_indices: list[int],
+                 pieces: ChunkPieces) -> None:
         self.units = units
+        self.pieces = pieces  # each unit's parameters cut at its chunks (chunk_pieces.py)
+        self.slice_steps = SliceSteps()  # the slices' own steps, with what they reuse (slice_steps.py)
         inner = members(optimizer)
         # a unit's inner group: its user group's position among the kept groups
         self.counted = [not w and keeps_counts(inner[group_indices.index(u.group_index)])
                         for u, w in zip(units, whole)]
         # the units of an optimizer with a step count these counts do not correct (late_starters.py warns of them)
         self.uncorrected = [not w and not c for w, c in zip(whole, self.counted)]
+        self.counted_units = [k for k, c in enumerate(self.counted) if c]
+        self.group_of = [group_indices.index(u.group_index) for u in units]  # each unit's inner group
         self.offsets = [0]
         for unit in units:
             self.offsets.append(self.offsets[-1] + len(unit.params))
@@ -86,27 +94,22 @@ class StepCounts:
 
     # -- the late parameters' own steps --------------------------------------------------------
 
-    @torch.no_grad()
     def step_late(self, sharded, late: set[int], only: Optional[set] = None) -> None:
         """Step each late parameter's slices of the chunks in `only` (ids; None: all) on its own, with its count.
-        `sharded`: the ShardedOptimizer (its `optimizer`, `chunks`, `group_indices`, `_chunk_ranges`); its chunk
-        step has run and restored these slices, and the chunks still hold their gradients."""
-        inner_groups = sharded.optimizer.param_groups
-        owners = members(sharded.optimizer)
-        for index, unit in enumerate(self.units):
-            if not self.counted[index]:
+        `sharded`: the ShardedOptimizer (its `optimizer`); its chunk step has run and restored these slices, and
+        the chunks still hold their gradients."""
+        by_group: dict[int, list] = {}
+        for index in self.counted_units:
+            lo, hi = self.offsets[index], self.offsets[index + 1]
+            if not any(lo <= i < hi for i in late):
                 continue
-            lo = self.offsets[index]
-            slices = []
-            for seg in unit.layout.segments(unit.shard_index):
-                if lo + seg.param_index not in late:
+            slices = by_group.setdefault(self.group_of[index], [])
+            for chunk, pieces in self.pieces.of_unit[index]:
+                if (only is not None and id(chunk) not in only) or chunk.grad is None:
                     continue
-                for chunk, csl, _ in sharded._chunk_ranges(index, seg.shard_start, seg.shard_start + seg.numel):
-                    if (only is None or id(chunk) in only) and chunk.grad is not None:
-                        slices.append((chunk, csl, self.counts[lo + seg.param_index]))
-            if slices:
-                k = sharded.group_indices.index(unit.group_index)
-                self._step_slices(owners[k], inner_groups[k], sharded.optimizer.state, slices)
+                slices.extend((chunk, slice(p.start, p.stop), self.counts[lo + p.param]) for p in pieces
+                              if lo + p.param in late)
+        self._step_groups(sharded, by_group)
 
     # -- chunks stepped slice by slice ([Note: sliced chunks]) -----------------------------------
 
@@ -116,81 +119,72 @@ class StepCounts:
         their parameters that got a gradient, adjacent ones with the same count merged. Stepping those slices alone
         (`step_sliced`) is torch's update for each of them and leaves the others as torch leaves a parameter without
         .grad, with no snapshot and restore of the untouched ones: a 64-expert MoE's step then costs about what
-        the routed experts cost. A chunk with no state yet (its first step) goes the snapshot way
-        (optim/optimizer.py), which creates its state. Host lists only: nothing is read from the device."""
-        if not any(self.counted):
+        the routed experts cost. The other chunks of such a unit, whose parameters all got a gradient and have its
+        count, are in the plan too, with None for their slices: stepped whole with their own state in the same call
+        (one foreach call per group, not one for them and another for the slices). A unit where every parameter
+        got a gradient with its count is left to the inner optimizer's own step; a chunk with no state yet (its
+        first step) goes the snapshot way (optim/optimizer.py), which creates its state. Host lists only (the
+        pieces of each chunk are computed once: chunk_pieces.py); nothing is read from the device."""
+        if not self.counted_units:
             return {}
         flags = received.tolist() if received is not None else None
-        plan = {}
-        for index, unit in enumerate(self.units):
-            if not self.counted[index]:
-                continue
+        counts, states, plan = self.counts, sharded.optimizer.state, {}
+        for index in self.counted_units:
             lo, hi = self.offsets[index], self.offsets[index + 1]
             chunk_count = self.chunk_steps[index]
-            if all((flags is None or flags[i]) and self.counts[i] == chunk_count for i in range(lo, hi)):
-                continue  # the whole chunk steps with its count: the inner optimizer's own step
-            per_chunk: dict[int, list] = {}
-            for seg in unit.layout.segments(unit.shard_index):
-                i = lo + seg.param_index
-                for chunk, csl, _ in sharded._chunk_ranges(index, seg.shard_start, seg.shard_start + seg.numel):
-                    if only is not None and id(chunk) not in only:
-                        continue
-                    slices = per_chunk.setdefault(id(chunk), [chunk])
+            if (flags is None or all(flags[lo:hi])) and all(c == chunk_count for c in counts[lo:hi]):
+                continue  # the whole unit steps with its count: the inner optimizer's own step
+            for chunk, pieces in self.pieces.of_unit[index]:
+                if only is not None and id(chunk) not in only:
+                    continue
+                runs, whole = [], True
+                for piece in pieces:
+                    i = lo + piece.param
                     if flags is not None and not flags[i]:
+                        whole = False
                         continue
-                    last = slices[-1] if len(slices) > 1 else None
-                    if last is not None and last[1] == self.counts[i] and last[0].stop == csl.start:
-                        slices[-1] = (slice(last[0].start, csl.stop), last[1])
+                    count = counts[i]
+                    whole = whole and count == chunk_count
+                    if runs and runs[-1][1] == piece.start and runs[-1][2] == count:
+                        runs[-1][1] = piece.stop
                     else:
-                        slices.append((csl, self.counts[i]))
-            for key, (chunk, *slices) in per_chunk.items():
-                if "step" in sharded.optimizer.state.get(chunk, {}):
-                    plan[key] = (index, chunk, slices)
+                        runs.append([piece.start, piece.stop, count])
+                if "step" not in states.get(chunk, {}):
+                    continue
+                # None: the chunk steps whole (every parameter got a gradient with its count), in the same
+                # foreach call as the slices, with its own state
+                plan[id(chunk)] = (index, chunk, None if whole else [(slice(a, b), c) for a, b, c in runs])
         return plan
 
-    @torch.no_grad()
     def step_sliced(self, sharded, plan: dict) -> None:
-        """Step `plan`'s slices (`sliced_chunks`), each with its count, then advance each chunk's own `step` as the
-        inner optimizer's step would have (the chunk count stays the chunk's `step`: loaded_chunk_state)."""
-        owners = members(sharded.optimizer)
-        inner_groups = sharded.optimizer.param_groups
+        """Step `plan`'s slices (`sliced_chunks`), each with its count, and its whole chunks, then advance each sliced
+        chunk's own `step` as the inner optimizer's step would have (the chunk count stays the chunk's `step`:
+        loaded_chunk_state); torch advanced the whole ones'."""
         by_group: dict[int, list] = {}
         for index, chunk, slices in plan.values():
-            k = sharded.group_indices.index(self.units[index].group_index)
-            by_group.setdefault(k, []).extend((chunk, csl, count) for csl, count in slices)
-        for k, slices in by_group.items():
-            if slices:
-                self._step_slices(owners[k], inner_groups[k], sharded.optimizer.state, slices)
-        for _, chunk, _ in plan.values():
+            by_group.setdefault(self.group_of[index], []).extend(
+                [(chunk, None, None)] if slices is None else [(chunk, csl, count) for csl, count in slices])
+        self._step_groups(sharded, by_group)
+        steps = []  # the sliced chunks' tensor counts, advanced in one call
+        for _, chunk, slices in plan.values():
+            if slices is None:
+                continue  # stepped whole: torch advanced its `step`
             state = sharded.optimizer.state[chunk]
             step = state["step"]
             if torch.is_tensor(step):
-                step.add_(1)
+                steps.append(step)
             else:
                 state["step"] = step + 1
+        if steps:
+            torch._foreach_add_(steps, 1)
 
-    @staticmethod
-    def _step_slices(member, group: dict, states, slices: list) -> None:
-        """One temporary optimizer (same class and group options) over `slices`, each with its count. The slices are
-        views of the chunks, of their gradients and of their states (made under no_grad: leaves that need no
-        gradient), so torch's in-place update lands in the chunks themselves: no copy in, none back."""
-        leaves = []
-        for chunk, csl, _ in slices:
-            leaf = chunk[csl]
-            leaf.grad = chunk.grad[csl]
-            leaves.append(leaf)
-        options = {k: v for k, v in group.items() if k != "params"}
-        temp = rebuild(member, [dict(options, params=leaves)])
-        for leaf, (chunk, csl, count) in zip(leaves, slices):
-            state = states.get(chunk, {})
-            if not state:
-                continue  # the chunk has no state yet: the slice starts fresh, as torch's would (its state is dropped)
-            own = {k: v[csl] for k, v in state.items() if torch.is_tensor(v) and v.shape == chunk.shape}
-            step = state.get("step")
-            # torch's kind of `step` (a CPU float tensor; on the device for fused/capturable): filled, not shared
-            own["step"] = torch.full_like(step, float(count)) if torch.is_tensor(step) else type(step)(count)
-            temp.state[leaf] = own
-        temp.step()
+    def _step_groups(self, sharded, by_group: dict[int, list]) -> None:
+        """One step per inner group over its (chunk, slice, count) list (slice_steps.py)."""
+        owners = members(sharded.optimizer)
+        inner_groups = sharded.optimizer.param_groups
+        for k, slices in by_group.items():
+            if slices:
+                self.slice_steps.step(k, owners[k], inner_groups[k], sharded.optimizer.state, slices)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
