@@ -74,8 +74,10 @@ def test_round_views_move_one_gradient_per_unit(stage, monkeypatch):
     assert calls == params and params > 4 * units
     # a gradient taken out of autograd (AccumulateGrad's detach: the parameter had no .grad) and copied or added by
     # the hook: only the first of each round's buffer (one round per unit here); the others are added in place
+    # the hook's first gradient of each round (one round per unit here), and the reduced slice's delivery (at world 1
+    # inside the hook), a copy into the shard zero_grad left to its first delivery ([Note: zeroing on first delivery])
     taken = ops["aten::detach"] + ops["aten::copy_"]
-    assert taken <= units, ops  # the copy path takes and copies every one of them: 2 per parameter
+    assert taken <= 2 * units, ops  # the copy path takes and copies every one of them: 2 per parameter
     assert ops["aten::zero_"] <= units, ops  # the buffer zeroed once per round
 
 
@@ -85,4 +87,6 @@ def test_cpu_keeps_the_copy_path_at_stages_2_and_3(stage):
     assert placement.grad_views_every_round(torch.device("cuda", 0))  # a value: no GPU needed
     ops, calls, units, params = hook_ops(stage, no_grad_left)
     assert ops["aten::zero_"] == 0, ops  # no pass over the buffer: each first gradient is copied
-    assert ops["aten::copy_"] == params, ops
+    # each gradient copied once, and at most one copy per unit for its reduced slice's delivery inside a hook (world
+    # 1: [Note: zeroing on first delivery] in grads/grad_shard.py)
+    assert params <= ops["aten::copy_"] <= params + units, ops
