@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import zerodp
 from zerodp.tools.models.gpt import GPT, GPTConfig
-from zerodp.optim import transient_grads
+from zerodp.optim import optimizer as optimizer_module
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=64)
@@ -43,9 +43,9 @@ def live_cpu_bytes() -> int:
 
 def measure(stage: int, windowed: bool) -> tuple[float, float, int]:
     """(bytes per parameter before the step, bytes per parameter the step adds at its peak, parameters)."""
-    original = transient_grads.TransientGradSteps.transient_grads_apply
+    original = optimizer_module.transient_grads_apply
     if not windowed:
-        transient_grads.TransientGradSteps.transient_grads_apply = lambda self: False
+        optimizer_module.transient_grads_apply = lambda opt: False
     try:
         torch.manual_seed(0)
         model = GPT(CFG)
@@ -70,7 +70,7 @@ def measure(stage: int, windowed: bool) -> tuple[float, float, int]:
         engine.close()
         return before / numel, (peak[0] - before) / numel, numel
     finally:
-        transient_grads.TransientGradSteps.transient_grads_apply = original
+        optimizer_module.transient_grads_apply = original
 
 
 def main() -> None:

@@ -69,12 +69,27 @@ def config(stage: int, bf16: bool = False, ep: int = EP) -> dict:
     return cfg
 
 
+def _train_steps(engine, steps: range, check=None) -> list[float]:
+    """Train on this rank's own tokens of each step's global batch; the global mean losses. `check(step)` after each."""
+    rank, losses = dist.get_rank(), []
+    for step in steps:
+        ids = batch(step, MICRO_BS * WORLD)[rank * MICRO_BS:(rank + 1) * MICRO_BS]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        if check is not None:
+            check(step)
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / WORLD)
+    return losses
+
+
 def train_case(name: str, stage: int, bf16: bool = False, recompute: bool = False):
     """This rank's global-mean losses, its parameters (experts: its own E/EP), how many of its tokens' choices
     went to each global expert at the first step (seen by a hook registered before zerodp's, so before the
     dispatch), and (fp32) engine.full_state_dict(). `recompute`: HF's gradient checkpointing, so each layer's
     forward, all-to-alls included, runs again in backward."""
-    rank = dist.get_rank()
     model = make(name)
     if recompute:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -84,16 +99,10 @@ def train_case(name: str, stage: int, bf16: bool = False, recompute: bool = Fals
         torch.bincount(args[1].reshape(-1), minlength=EXPERTS).tolist()))
     engine = zerodp.initialize(model, sgd(model.parameters()), config(stage, bf16))
     try:
-        losses = []
-        for step in range(STEPS):
-            ids = batch(step, MICRO_BS * WORLD)[rank * MICRO_BS:(rank + 1) * MICRO_BS]  # this rank's own tokens
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
+        def check(step: int) -> None:
             assert len(chosen) == (2 if recompute else 1) * (step + 1), "with recompute the experts run twice a step"
-            total = loss.detach().float().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / WORLD)
+
+        losses = _train_steps(engine, range(STEPS), check)
         with zerodp.gathered_parameters(model.parameters()):
             params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
         full = None if bf16 else engine.full_state_dict(rank0_only=False)  # every expert, packed back together
@@ -122,19 +131,6 @@ def refusals_case() -> list[str]:
     with pytest.raises(RuntimeError, match="holds 2 of 4 experts .* its engine is closed"):
         model(input_ids=batch(0, 1))
     return messages
-
-
-def _train_steps(engine, steps: range) -> list[float]:
-    rank, losses = dist.get_rank(), []
-    for step in steps:
-        ids = batch(step, MICRO_BS * WORLD)[rank * MICRO_BS:(rank + 1) * MICRO_BS]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / WORLD)
-    return losses
 
 
 def resume_case():

@@ -3,9 +3,10 @@
 `ShardedOptimizer` keeps each unit's state the way torch's optimizer keeps it: one state dict per
 chunk of the unit's fp32 master (elementwise optimizers) or per owned parameter (whole-tensor ones),
 possibly streamed from an offload tier. These methods translate between that and the checkpoint's
-form: one tensor shaped like the master per state key, plus scalars. Mixed into ShardedOptimizer, whose
-members they use (`chunks`, `whole`, `masters`, `units`, `optimizer`, `offload`, `_resident`,
-`_chunk_ranges`, `step_counts`); kept apart so that the step's module reads in one sitting.
+form: one tensor shaped like the master per state key, plus scalars. Mixed into ShardedOptimizer (the
+checkpoint side of its interface), whose public members they use (`chunks`, `whole`, `masters`, `units`,
+`optimizer`, `offload`, `state_resident`, `chunk_ranges`, `step_counts`); kept apart so that the step's
+module reads in one sitting.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class CheckpointStateAccess:
     def state_of(self, index: int) -> dict:
         """Master `index`'s optimizer state: elementwise tensors shaped like the master (copies), and
         scalars (e.g. Adam's `step`). Empty before the first step."""
-        with self._resident(index, write=False):  # copies are returned: the stored state is unchanged
+        with self.state_resident(index, write=False):  # copies are returned: the stored state is unchanged
             return self._state_of(index)
 
     def state_spec_of(self, index: int) -> tuple[dict[str, torch.dtype], dict]:
@@ -55,7 +56,7 @@ class CheckpointStateAccess:
         """Whole-tensor unit `index`: each owned parameter's optimizer state (copies), keyed by its
         position in the unit's layout, exactly as torch keeps it for that parameter."""
         out = {}
-        with self._resident(index, write=False):  # offload: the state shaped like its parameter is stored
+        with self.state_resident(index, write=False):  # offload: the state shaped like its parameter is stored
             for seg, chunk in zip(self.units[index].layout.segments(self.units[index].shard_index),
                                   self.chunks[index]):
                 state = self.optimizer.state.get(chunk, {})
@@ -64,7 +65,7 @@ class CheckpointStateAccess:
 
     def load_tensor_states_of(self, index: int, states: dict[int, dict]) -> None:
         """Replace the per-parameter state of whole-tensor unit `index` (the form `tensor_states_of` returns)."""
-        with self._resident(index, read=False):
+        with self.state_resident(index, read=False):
             for seg, chunk in zip(self.units[index].layout.segments(self.units[index].shard_index),
                                   self.chunks[index]):
                 self.optimizer.state.pop(chunk, None)
@@ -74,14 +75,14 @@ class CheckpointStateAccess:
 
     def load_state_of(self, index: int, state: dict) -> None:
         """Replace master `index`'s optimizer state with `state` (the form `state_of` returns)."""
-        with self._resident(index, read=False):  # replaced whole: the stored values are not needed
+        with self.state_resident(index, read=False):  # replaced whole: the stored values are not needed
             self._load_state_of(index, state)
 
     def _load_state_of(self, index: int, state: dict) -> None:
         master = self.masters[index]
         self.step_counts.loaded_chunk_state(index, state)  # the unit's chunk count (optim/step_counts.py)
         self.step_counts.slice_steps.forget()  # no cached view may keep the replaced state alive (slice_steps.py)
-        for chunk, chunk_sl, master_sl in self._chunk_ranges(index, 0, master.numel()):
+        for chunk, chunk_sl, master_sl in self.chunk_ranges(index, 0, master.numel()):
             self.optimizer.state.pop(chunk, None)
             if state:
                 self.optimizer.state[chunk] = {

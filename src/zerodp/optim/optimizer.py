@@ -70,7 +70,7 @@ from .step_kernel import master_group_settings
 from .grad_staging import GradStaging
 from .step_path import BoundGradients, TransientGradients
 from .step_plan import StepPlan, check_host_step
-from .transient_grads import TransientGradSteps
+from .transient_grads import WindowedGradSteps, transient_grads_apply
 
 
 # 1 MiB of fp32: fits L2 with room to spare, large enough that per-tensor overhead is negligible.
@@ -83,7 +83,7 @@ class StepOutcome(Enum):
     NONFINITE = auto()    # bf16/fp32: the global gradient norm is NaN/Inf; nothing was written (nonfinite.py)
 
 
-class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
+class ShardedOptimizer(CheckpointStateAccess):
     """Steps this rank's shards; see the module docstring for the order of one step."""
 
     def __init__(self, units: list[ShardedUnit], user_optimizer, group_settings: list[dict],
@@ -107,7 +107,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         masters_home = self.placement.masters
         self.masters: list[torch.Tensor] = []
         self.chunks: list[list[torch.Tensor]] = []
-        self._chunk_starts: dict[int, tuple] = {}  # master index -> (its chunk list, the chunks' offsets): _chunk_ranges
+        self._chunk_starts: dict[int, tuple] = {}  # master index -> (its chunk list, the chunks' offsets): chunk_ranges
         for unit in units:
             with unit.resident():
                 if self.placement.masters_are_shards:
@@ -143,7 +143,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
         self.plan = StepPlan(units, self.chunks, self.masters, self.placement, self.chunk_numel, offload,
                              grad_staging)
         # which gradients the step reads, chosen once (step_path.py): no step asks again
-        self.path = (TransientGradients(self.step_transient) if self.transient_grads_apply() else
+        self.path = (TransientGradients(WindowedGradSteps(self).run) if transient_grads_apply(self) else
                      BoundGradients(self.plan, self._step_chunks, self.plan.host_step and model_parallel is None))
         self._norm: Optional[torch.Tensor] = None       # the last step's global norm, on the device, unread
         self._norm_value: Optional[float] = None        # ... read once, when someone asks (last_grad_norm)
@@ -167,7 +167,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             slot += len(slots)
         maybe_bind(self.optimizer, segments, slot, self.process_group, self.sharded)
 
-    def _chunk_ranges(self, index: int, lo: int, hi: int):
+    def chunk_ranges(self, index: int, lo: int, hi: int):
         """(chunk, chunk slice, master slice) for the chunks of master `index` overlapping [lo, hi). A binary search
         over the chunks' offsets: a 64-expert MoE's step asks this for thousands of parameter segments."""
         chunks = self.chunks[index]
@@ -183,7 +183,7 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
                 yield chunks[k], slice(a - starts[k], b - starts[k]), slice(a, b)
             k += 1
 
-    def _resident(self, index: int, read: bool = True, write: bool = True):
+    def state_resident(self, index: int, read: bool = True, write: bool = True):
         """Hold master `index`'s optimizer state in `optimizer.state` for a block (`read`: its stored
         values are needed; `write`: the block changes them); the plan knows whether it is offloaded."""
         return self.plan.state_resident(self.chunks[index], read=read, write=write)
@@ -304,11 +304,11 @@ class ShardedOptimizer(CheckpointStateAccess, TransientGradSteps):
             grads = [c.grad for c in hidden]
             for c in hidden:
                 c.grad = None
-        self._step_inner(received, only, late)
+        self.step_inner(received, only, late)
         for c, g in zip(hidden, grads if hidden else []):
             c.grad = g
 
-    def _step_inner(self, received: Optional[torch.Tensor], only: Optional[set], late: AbstractSet[int]) -> None:
+    def step_inner(self, received: Optional[torch.Tensor], only: Optional[set], late: AbstractSet[int]) -> None:
         """One step of the inner optimizer over the chunks with a .grad (`only`: their ids, None: all): the
         parameters without a gradient are left as torch leaves them, the `late` ones then stepped with their own
         counts (step_counts.py)."""

@@ -13,7 +13,7 @@ asking again which it is:
 
 Both take the norm from the same bits (the shards' own square norms where no loss scale divides them), so the
 two paths give bitwise the same update; the choice is one of memory, decided by facts fixed at construction
-(`TransientGradSteps.transient_grads_apply`).
+(`transient_grads.transient_grads_apply`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class TransientGradients:
     """fp32 gradient copies made, clipped and stepped one window at a time (module docstring)."""
 
     def __init__(self, step_transient: Callable[..., None]) -> None:
-        self.step_transient = step_transient  # (coef, received, late): transient_grads.py
+        self.step_transient = step_transient  # (coef, received, late): transient_grads.WindowedGradSteps.run
 
     def raw_grads(self, scale: float) -> bool:
         return True  # the norm comes from the 16-bit shards; their copies exist only per window

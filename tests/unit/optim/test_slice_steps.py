@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import zerodp
+from tests.oracle import train_reference
 from tests.dist.moe_common import IN, OUT, ClassicMoE
 from zerodp.optim import optimizer as sharded_optimizer
 from zerodp.optim import slice_steps
@@ -66,10 +67,17 @@ def _train(stage: int, monkeypatch, reload_at=None):
     rebuild = slice_steps.rebuild
     monkeypatch.setattr(slice_steps, "rebuild", lambda *a: built.append(rebuild(*a)) or built[-1])
     torch.manual_seed(0)
-    ref = ClassicMoE(width=32, experts=16, layers=1)
+    ref_model = ClassicMoE(width=32, experts=16, layers=1)
     model = ClassicMoE(width=32, experts=16, layers=1)
-    model.load_state_dict(ref.state_dict())
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    model.load_state_dict(ref_model.state_dict())
+
+    def lr_of_step(_model, optimizer, step: int) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-2 / (1 + step)  # reaches the slices' temporary optimizer only if it follows the group
+
+    ref = train_reference(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1,
+                                                       foreach=True),
+                          STEPS, lambda m, step: F.mse_loss(m(_batch(step)[0]), _batch(step)[1]), before_step=lr_of_step)
     user = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     engine = zerodp.initialize(model, user, {"zero_optimization": {"stage": stage,
                                                                    "stage3_param_persistence_threshold": 0}})
@@ -85,12 +93,8 @@ def _train(stage: int, monkeypatch, reload_at=None):
 
     monkeypatch.setattr(sharded.step_counts, "sliced_chunks", counting_plan)
     for step in range(STEPS):
-        for group in opt.param_groups + user.param_groups:
-            group["lr"] = 1e-2 / (1 + step)  # reaches the slices' temporary optimizer only if it follows the group
+        lr_of_step(model, user, step)
         x, y = _batch(step)
-        F.mse_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
         engine.backward(F.mse_loss(engine(x), y))
         engine.step()
         used.append(set(model.used_experts()[0]))
@@ -108,7 +112,7 @@ def _train(stage: int, monkeypatch, reload_at=None):
     with zerodp.gathered_parameters(model.parameters()):
         got = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine.close()
-    return ref.state_dict(), got, sharded, built, replaced
+    return ref.params, got, sharded, built, replaced
 
 
 @pytest.mark.parametrize("stage", [1, 3])
