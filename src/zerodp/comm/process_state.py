@@ -12,7 +12,7 @@ Settings come in two layers. The CommState's own (the watchdog's `settings`, `re
 `activity`) are those outside every engine: the environment's, read when the CommState is made. `engine` is the
 `EngineComm` in force over them: one engine's settings (its comm_timeout_s, debug_sync and rank, its world-size-1
 decision) and its `Activity`, set by the Runtime to the newest live engine's between calls and by the engine to
-its own around each of its calls (engine/runtime.py `under_lease`), then given back. So two engines stepped side by
+its own around each of its calls (zero_engine.py `_under_lease`), then given back. So two engines stepped side by
 side each run under their own settings, and when the last engine is closed `engine` is None and the settings
 from before are in force again, with nothing to restore.
 

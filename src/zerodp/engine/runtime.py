@@ -24,7 +24,7 @@ Each engine takes a lease when it starts (`RUNTIME.lease(config, rank, process_g
 close(); an engine dropped without close() (garbage collected) counts as gone, silently. Each lease holds its
 engine's `EngineComm` (comm/process_state.py: its watchdog settings, its world-size-1 decision, its activity), and
 which one is in force over the process's own settings is `RUNTIME.comm.engine`: while an engine runs a call (its
-forward, backward, step, checkpoint calls: `under_lease`, below, or `with lease.in_force():`), that
+forward, backward, step, checkpoint calls: zero_engine.py `_under_lease`, or `with lease.in_force():`), that
 engine's; between calls, the newest live lease's; with no lease left, none, so the settings from before the first
 lease are in force again with nothing to restore. So two engines with different comm_timeout_s each have their
 own collectives watched with their own timeout. The last lease out also stops the watchdog thread, restores the
@@ -35,7 +35,6 @@ in any order, and closing one changes nothing the others use.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -85,7 +84,7 @@ class Lease:
     @contextlib.contextmanager
     def in_force(self) -> Iterator[None]:
         """Run one engine call under this lease's settings and activity; the ones in force before come back
-        after. (ZeroEngine's calls do the same two writes inline: `under_lease`, below.)"""
+        after. (ZeroEngine's calls do the same two writes inline: zero_engine.py `_under_lease`.)"""
         state = self.runtime.comm
         outer, state.engine = state.engine, self.comm
         try:
@@ -167,18 +166,3 @@ class Runtime:
 
 RUNTIME = Runtime()  # the process's one Runtime: process-wide state by definition, owned here
 RUNTIME.install()  # comm's functions act on RUNTIME.comm from now on
-
-
-def under_lease(method):
-    """A decorator of an engine's methods (the engine keeps its `Lease` as `_lease`): run the call under this engine's
-    settings for comm (comm_timeout_s, debug_sync, real collectives, activity), then those from before:
-    `Lease.in_force()`'s two writes, inline (no call out per step)."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        state = self._lease.runtime.comm
-        outer, state.engine = state.engine, self._lease.comm
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            state.engine = outer
-    return call

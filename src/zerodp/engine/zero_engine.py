@@ -15,6 +15,7 @@ the update equals one step on the global batch; the loss scale is divided out be
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Optional
@@ -46,10 +47,24 @@ from ..optim.optimizer import ShardedOptimizer, StepOutcome
 from ..offload.placement import model_device, placement_of
 from ..precision.policy import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import check_same_model
-from .runtime import RUNTIME, Lease, under_lease
+from .runtime import RUNTIME, Lease
 from .sharding import build_sharding
 
 log = logging.getLogger("zerodp")
+
+
+def _under_lease(method):
+    """Run an engine call under this engine's settings for comm (comm_timeout_s, debug_sync, real collectives,
+    activity: runtime.py), then those from before: `Lease.in_force()`'s two writes, inline (no call out per step)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        state = self._lease.runtime.comm
+        outer, state.engine = state.engine, self._lease.comm
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            state.engine = outer
+    return call
 
 
 class ZeroEngine:
@@ -143,7 +158,7 @@ class ZeroEngine:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
-    @under_lease
+    @_under_lease
     def forward(self, *args, **kwargs):
         """Run the user's model; floating inputs are cast to the compute dtype under bf16/fp16."""
         if self.precision.mixed and self.cast_inputs:
@@ -178,7 +193,7 @@ class ZeroEngine:
         """Whether the next backwards end an accumulation (DeepSpeed's meaning; None: count micro-steps)."""
         self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
-    @under_lease
+    @_under_lease
     def backward(self, loss: torch.Tensor, divide_by_accumulation_steps: bool = True,
                  retain_graph: bool = False) -> None:
         """Backpropagate the micro-batch mean `loss`, loss-scaled, divided by the accumulation steps if asked."""
@@ -201,7 +216,7 @@ class ZeroEngine:
             self._received = self.sharding.finish_micro_step(boundary)
         self._backward_since_step = True
 
-    @under_lease
+    @_under_lease
     def step(self) -> None:
         """Call after every backward: at an accumulation boundary, step the optimizer and zero grads."""
         if not self._backward_since_step:
@@ -337,7 +352,7 @@ class ZeroEngine:
 
     # -- checkpoints (see checkpoint.py) --------------------------------------------------------
 
-    @under_lease
+    @_under_lease
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         deepspeed_layout: bool = False) -> str:
         """Every rank writes its own shards under save_dir/tag, unit by unit; returns the checkpoint's path.
@@ -359,7 +374,7 @@ class ZeroEngine:
             write_deepspeed_layout(self, path, client_state)
         return path
 
-    @under_lease
+    @_under_lease
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_lr_scheduler: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage), unit by unit; returns the saved client_state.
         `load_lr_scheduler=False` keeps this engine's schedule (DeepSpeed's load_lr_scheduler_states)."""
@@ -386,7 +401,7 @@ class ZeroEngine:
             set_rng_state(resumed.rng)
         return resumed.client_state
 
-    @under_lease
+    @_under_lease
     def save_dcp(self, path, model_key: str = "model") -> str:
         """Write model and optimizer state as a torch distributed checkpoint (DCP) in folder `path`, in the keys
         FSDP2's get_state_dict uses (checkpoint/dcp.py); every rank writes only its own shard."""
@@ -395,7 +410,7 @@ class ZeroEngine:
         self.sync_written_shards()
         return save_dcp(self, path, model_key=model_key)
 
-    @under_lease
+    @_under_lease
     def load_dcp(self, path, load_optimizer: bool = True, load_lr_scheduler: bool = True,
                  model_key: Optional[str] = None) -> None:
         """Resume from a DCP checkpoint that FSDP2, torchtitan or `save_dcp` wrote, at any world size or stage:
@@ -427,7 +442,7 @@ class ZeroEngine:
             raise CheckpointError("DCP export and import do not cover tensor-parallel engines yet; use "
                               "save_checkpoint / load_checkpoint (one folder per tensor-parallel rank)")
 
-    @under_lease
+    @_under_lease
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The full model state dict (fp32 parameters, buffers), on CPU; empty on other ranks if rank0_only.
         With expert-parallel MoE layers: the single-process model's, every expert under its global index."""
