@@ -7,6 +7,7 @@
     nonfinite.py    non-finite gradients in bf16/fp32, detected on every rank at once, then stop or skip
     optimizer_offload.py  the optimizer-state offload (ZeRO-Offload/Infinity) from the config, over offload/'s stores
     grad_path.py    compose_grad_staging: where reduced gradient shards go (memory, store, host staging), once
+    step_log.py     log_step: the rank-0 progress line every steps_per_print steps (wall_clock_breakdown's seconds)
 
 The engine drives the layers below it in one direction: shard/ (the sharded state), optim/ (the sharded step),
 offload/ (where each state lives), comm/ (the collectives).

@@ -48,6 +48,7 @@ from ..offload.placement import model_device, placement_of
 from ..precision.policy import LossScaler, PrecisionPolicy, cast_floats
 from .preflight import check_same_model
 from .runtime import RUNTIME, Lease
+from .step_log import log_step
 from .sharding import build_sharding
 
 log = logging.getLogger("zerodp")
@@ -250,7 +251,7 @@ class ZeroEngine:
         self._activity.global_step = self.global_step
         if outcome is StepOutcome.STEPPED and self.lr_scheduler is not None:  # not after a skipped step, as DeepSpeed
             self.lr_scheduler.step()
-        self._maybe_log()
+        self._last_step_time = log_step(self, self._last_step_time)
         # the norm as a device tensor: the monitor reads it only when it writes events (no sync per step otherwise)
         self.monitor.after_step(self.global_step, self.get_lr()[0], self.loss_scale,
                                 self.optimizer.last_grad_norm_tensor)
@@ -267,21 +268,6 @@ class ZeroEngine:
         self.nonfinite_steps += 1
         if self.rank == 0:
             log.warning("zerodp: skipped %s (nonfinite: skip; %d such steps so far)", message, self.nonfinite_steps)
-
-    def _maybe_log(self) -> None:
-        every = self.config.steps_per_print or (10 if self.config.wall_clock_breakdown else None)
-        if not every or self.global_step % every:
-            return
-        now = time.perf_counter()
-        if self.rank == 0:
-            breakdown = ""
-            if self.config.wall_clock_breakdown:
-                breakdown = " " + " ".join(f"{k}={v / every:.3f}s" for k, v in self.timings.items())
-            log.info("zerodp step %d: loss_scale=%g grad_norm=%s skipped=%d (%.3fs/step)%s", self.global_step,
-                     self.loss_scale, self.grad_norm, self.skipped_steps, (now - self._last_step_time) / every,
-                     breakdown)
-        self._last_step_time = now
-        self.timings = dict.fromkeys(self.timings, 0.0)
 
     def sync_written_shards(self) -> None:
         """Bring the fp32 masters up to date with shards written outside the optimizer (stage 3's
