@@ -152,3 +152,21 @@ def zerodp_run_chunked(chunk_numel: int, *args) -> tuple[list[float], dict]:
     """`zerodp_run` with the optimizer stepping chunks of `chunk_numel` elements."""
     with optimizer_chunks(chunk_numel):
         return zerodp_run(*args)
+
+
+def train_own_tokens(engine, steps, batch, micro_bs: int, check=None) -> list[float]:
+    """A causal LM (Hugging Face's `labels=` loss) trained on this rank's own rows of each step's global batch
+    `batch(step, rows)`; `steps`: an int or a range; `check(step)` after each step. Returns the global mean losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(steps) if isinstance(steps, int) else steps:
+        ids = batch(step, micro_bs * world)[rank * micro_bs:(rank + 1) * micro_bs]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        if check is not None:
+            check(step)
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import zerodp
 from tests.dist import harness
+from tests.dist.common import train_own_tokens
 from tests.oracle import assert_matches_reference, assert_trained, mixed_precision_reference, train_reference
 
 transformers = pytest.importorskip("transformers")
@@ -69,22 +70,6 @@ def config(stage: int, bf16: bool = False, ep: int = EP) -> dict:
     return cfg
 
 
-def _train_steps(engine, steps: range, check=None) -> list[float]:
-    """Train on this rank's own tokens of each step's global batch; the global mean losses. `check(step)` after each."""
-    rank, losses = dist.get_rank(), []
-    for step in steps:
-        ids = batch(step, MICRO_BS * WORLD)[rank * MICRO_BS:(rank + 1) * MICRO_BS]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        if check is not None:
-            check(step)
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / WORLD)
-    return losses
-
-
 def train_case(name: str, stage: int, bf16: bool = False, recompute: bool = False):
     """This rank's global-mean losses, its parameters (experts: its own E/EP), how many of its tokens' choices
     went to each global expert at the first step (seen by a hook registered before zerodp's, so before the
@@ -102,7 +87,7 @@ def train_case(name: str, stage: int, bf16: bool = False, recompute: bool = Fals
         def check(step: int) -> None:
             assert len(chosen) == (2 if recompute else 1) * (step + 1), "with recompute the experts run twice a step"
 
-        losses = _train_steps(engine, range(STEPS), check)
+        losses = train_own_tokens(engine, STEPS, batch, MICRO_BS, check)
         with zerodp.gathered_parameters(model.parameters()):
             params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
         full = None if bf16 else engine.full_state_dict(rank0_only=False)  # every expert, packed back together
@@ -141,7 +126,7 @@ def resume_case():
     dist.broadcast_object_list(folder)
     model = make("mixtral")
     engine = zerodp.initialize(model, sgd(model.parameters()), config(3))
-    losses = _train_steps(engine, range(STEPS // 2))
+    losses = train_own_tokens(engine, range(STEPS // 2), batch, MICRO_BS)
     engine.save_checkpoint(folder[0])
     engine.close()
     model = make("mixtral")
@@ -150,7 +135,7 @@ def resume_case():
             p.add_(1.0)  # other weights: the load must set every value
     engine = zerodp.initialize(model, sgd(model.parameters()), config(1, ep=4))
     engine.load_checkpoint(folder[0])
-    losses += _train_steps(engine, range(STEPS // 2, STEPS))
+    losses += train_own_tokens(engine, range(STEPS // 2, STEPS), batch, MICRO_BS)
     full = engine.full_state_dict(rank0_only=False)
     engine.close()
     return losses, full

@@ -6,9 +6,9 @@ stage3_unit_min_params), so it is a unit of its own; a smaller one would stay in
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerodp
+from tests.dist.common import train_own_tokens
 from tests.oracle import assert_matches_reference, train_reference
 
 transformers = pytest.importorskip("transformers")
@@ -40,20 +40,11 @@ def sgd(params):
 
 
 def zerodp_case(name: str):
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make(name)
     engine = zerodp.initialize(model, sgd(model.parameters()), {"train_micro_batch_size_per_gpu": MICRO_BS,
                                                                 "zero_optimization": {"stage": 3}})
     units = sorted({type(m.module).__name__ for m in engine.sharding.module_units})
-    losses = []
-    for step in range(STEPS):
-        ids = batch(step, MICRO_BS * world)[rank * MICRO_BS:(rank + 1) * MICRO_BS]  # this rank's own tokens
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_own_tokens(engine, STEPS, batch, MICRO_BS)
     with zerodp.gathered_parameters(model.parameters()):
         params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     engine.close()

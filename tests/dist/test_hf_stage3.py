@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import zerodp
 from tests.oracle import train_reference
-from tests.dist.common import assert_adam_params_close
+from tests.dist.common import assert_adam_params_close, train_own_tokens
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -57,21 +57,11 @@ def plain_run(make, opt_for, steps: int, world: int, checkpointing: bool = False
 
 
 def zero_run(make, opt_for, steps: int, checkpointing: bool = False):
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make()
     if checkpointing:
         model.gradient_checkpointing_enable()
     engine = zerodp.initialize(model, opt_for([p for p in model.parameters() if p.requires_grad]), STAGE3)
-    losses = []
-    for step in range(steps):
-        ids = batch(step, MICRO_BS * world)[rank * MICRO_BS:(rank + 1) * MICRO_BS]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return engine, model, losses
+    return engine, model, train_own_tokens(engine, steps, batch, MICRO_BS)
 
 
 LR = 1e-2
